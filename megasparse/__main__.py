@@ -1,0 +1,5 @@
+import sys
+
+from megasparse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,175 @@
+"""The run config: one dataclass per section, loaded from YAML plus dotted overrides.
+
+    cfg = load_config("configs/cpu_toy.yaml", ["train.steps=20", "parallel.tp=2"])
+    cfg.validate(world_size=4)      # before any process group exists
+
+Each section lives next to the code it configures; this file only composes them and holds
+the trainer's own sections (train, optim, checkpoint, logging).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megasparse.configbase import ConfigError, apply_override, from_dict, to_dict
+from megasparse.data.config import DataConfig
+from megasparse.filtering.config import FilterConfig
+from megasparse.loss.config import LossConfig
+from megasparse.model.config import ModelConfig
+from megasparse.parallel.config import ParallelConfig
+from megasparse.sparse24.config import SparsityConfig
+
+__all__ = ["Config", "ConfigError", "load_config", "to_dict"]
+
+
+@dataclass
+class TrainConfig:
+    """Steps, batch sizes, precision and evaluation cadence."""
+
+    steps: int = 100
+    micro_batch_size: int = 2
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all DP ranks; accumulation = global / (micro · dp)."""
+    seed: int = 1234
+    dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU), bf16 or fp32. bf16 keeps fp32 master weights and grads."""
+    eval_interval: int = 50
+    """Evaluate on the validation split every this many steps (0 turns it off)."""
+    eval_batches: int = 4
+    device: str = "auto"
+    """auto (cuda if available), cuda or cpu."""
+    deterministic: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 turns it off)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded torch.distributed.checkpoint saves; atomic via tmp-dir + rename."""
+
+    save_interval: int = 0
+    """Save every this many steps (0: only at the end if ``save_at_end``)."""
+    save_at_end: bool = True
+    resume: str | None = None
+    """Directory to resume from: a run's out_dir (latest step) or one step-N directory."""
+    keep_last: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    """Console lines and metrics.jsonl."""
+
+    out_dir: str = "runs/default"
+    log_interval: int = 1
+    tensorboard: bool = False
+
+
+@dataclass
+class Config:
+    """A whole run: model, layout, data, training and the three accelerations."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+
+    def validate(self, world_size: int) -> int:
+        """Check everything that can be checked without a process group; return the DP size."""
+        m, p, t = self.model, self.parallel, self.train
+        m.validate()
+        dp = p.validate(world_size, m.num_layers, m.seq_length)
+        if m.num_attention_heads % p.tp:
+            raise ConfigError(
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}"
+            )
+        if m.kv_heads % p.tp:
+            raise ConfigError(
+                f"model.num_query_groups={m.kv_heads} is not divisible by parallel.tp={p.tp}; "
+                "each TP rank needs whole KV heads"
+            )
+        if m.ffn_size % p.tp:
+            raise ConfigError(f"model.ffn_hidden_size={m.ffn_size} is not divisible by parallel.tp={p.tp}")
+        if m.vocab_size is not None and m.vocab_size <= 0:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} must be positive (or null: tokenizer's)")
+        if t.steps < 1 or t.micro_batch_size < 1:
+            raise ConfigError("train.steps and train.micro_batch_size must be >= 1")
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={t.micro_batch_size} x dp={dp}; pick a multiple of "
+                f"{t.micro_batch_size * dp}"
+            )
+        if t.dtype not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"train.dtype={t.dtype!r}: use auto, bf16 or fp32")
+        if t.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"train.device={t.device!r}: use auto, cuda or cpu")
+        if self.optim.warmup_steps < 0 or self.optim.lr <= 0:
+            raise ConfigError("optim.lr must be > 0 and optim.warmup_steps >= 0")
+        self.data.validate()
+        self.loss.validate()
+        self.filter.validate()
+        self.sparsity.validate()
+        if self.filter.mode != "off" and self.filter.granularity == "shard" and not p.sequence_parallel:
+            raise ConfigError("filter.granularity=shard needs parallel.sequence_parallel=true")
+        if self.loss.vocab_over_pp and p.pp == 1:
+            raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")
+        return dp
+
+    def num_microbatches(self, dp: int) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * dp)
+
+    def padded_vocab(self, vocab: int) -> int:
+        """Vocabulary padded so every TP (and, with vocab_over_pp, PP) shard has equal size."""
+        shards = self.parallel.tp * (self.parallel.pp if self.loss.vocab_over_pp else 1)
+        mult = self.model.make_vocab_divisible_by * shards
+        return int(math.ceil(vocab / mult) * mult)
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or defaults when ``path`` is None) and apply ``key.sub=value`` overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file '{path}' does not exist; see configs/ for examples")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections")
+    for ov in overrides:
+        apply_override(data, Config, ov)
+    return from_dict(Config, data)
+
+
+def dump_config(cfg: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,32 @@
+"""Loss-layer config: which cross-entropy implementation and its options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megasparse.configbase import ConfigError
+
+
+@dataclass
+class LossConfig:
+    """Output layer + cross-entropy. ``cce`` never materialises [tokens, vocab] logits."""
+
+    impl: str = "torch"
+    """cce (Triton Cut Cross-Entropy; torch chunked reference on CPU), torch (materialised logits,
+    megatron-style vocab-parallel cross-entropy)."""
+    filter_eps: float | None = 2.0**-12
+    """Skip softmax-gradient blocks whose entries are all below this; None is the exact mode."""
+    sort_vocab: bool = False
+    """Sort the vocabulary by average logit so skippable blocks cluster (cce only)."""
+    softcap: float | None = None
+    """Logit soft-capping value (Gemma-2 style), None for off."""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss (lse²) regulariser."""
+    vocab_over_pp: bool = False
+    """Shard the output layer's vocabulary over pipeline ranks too (balances the last stage)."""
+
+    def validate(self) -> None:
+        if self.impl not in ("cce", "torch"):
+            raise ConfigError(f"loss.impl={self.impl!r}: use cce or torch")
+        if self.z_loss < 0:
+            raise ConfigError(f"loss.z_loss={self.z_loss} must be >= 0")

@@ -1,0 +1,59 @@
+"""Model architecture config (Llama-style decoder)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megasparse.configbase import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the decoder. Defaults are a CPU toy; see configs/ for real sizes."""
+
+    num_layers: int = 4
+    """Transformer blocks in the whole model (split over pipeline stages)."""
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means one per query head (MHA)."""
+    ffn_hidden_size: int | None = None
+    """SwiGLU inner size; None picks 8/3·hidden rounded up to a multiple of 64."""
+    vocab_size: int | None = None
+    """None takes the tokenizer's size; padded internally to a multiple of make_vocab_divisible_by·tp."""
+    make_vocab_divisible_by: int = 64
+    seq_length: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return ((8 * self.hidden_size // 3) + 63) // 64 * 64
+
+    def validate(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key} must be positive, got {getattr(self, key)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; pick heads that divide it"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={self.kv_heads}; GQA needs whole groups"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim {self.head_dim} must be even for RoPE; change model.hidden_size")

@@ -1,0 +1,227 @@
+"""The one place megasparse talks to torch.distributed.
+
+Every collective and P2P transfer goes through these wrappers, so the communication profiler
+(`megasparse profile-comm`) sees exactly the tensors that are sent, padding included, with their
+phase (forward/backward), kind, group and region. Wrappers run under gloo and NCCL alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+_state = threading.local()
+
+
+@dataclass
+class CommRecord:
+    """One transfer as it happened on this rank."""
+
+    phase: str
+    """forward, backward, or optim (parameter-sized traffic such as DP gradient reduction)."""
+    kind: str
+    """all_reduce, all_gather, reduce_scatter, send, recv, broadcast."""
+    group: str
+    """tp, pp, dp, world, ... (the name given to the call)."""
+    region: str
+    """Where in the model, e.g. layer3.attn.out_proj, or pipeline."""
+    numel: int
+    dtype: str
+    bytes: int
+    duration_ms: float | None = None
+    step: int = -1
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class CommRecorder:
+    """Collects CommRecords while active (see ``recording``)."""
+
+    def __init__(self, time_on_gpu: bool = False):
+        self.records: list[CommRecord] = []
+        self.time_on_gpu = time_on_gpu
+        self.step = -1
+
+
+def _recorder() -> CommRecorder | None:
+    return getattr(_state, "recorder", None)
+
+
+def _phase() -> str:
+    return getattr(_state, "phase", "forward")
+
+
+@contextlib.contextmanager
+def recording(recorder: CommRecorder) -> Iterator[CommRecorder]:
+    prev = _recorder()
+    _state.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        _state.recorder = prev
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Tag transfers issued inside with ``name`` (forward/backward/optim)."""
+    prev = _phase()
+    _state.phase = name
+    try:
+        yield
+    finally:
+        _state.phase = prev
+
+
+@contextlib.contextmanager
+def region(name: str) -> Iterator[None]:
+    prev = getattr(_state, "region", "")
+    _state.region = name
+    try:
+        yield
+    finally:
+        _state.region = prev
+
+
+def current_region() -> str:
+    return getattr(_state, "region", "")
+
+
+def _record(kind: str, group_name: str, t: torch.Tensor, region_name: str | None, t0: float | None) -> None:
+    rec = _recorder()
+    if rec is None:
+        return
+    dur = None
+    if t0 is not None:
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
+        dur = (time.perf_counter() - t0) * 1e3
+    rec.records.append(
+        CommRecord(
+            phase=_phase(),
+            kind=kind,
+            group=group_name,
+            region=region_name if region_name is not None else current_region(),
+            numel=t.numel(),
+            dtype=str(t.dtype).replace("torch.", ""),
+            bytes=t.numel() * t.element_size(),
+            duration_ms=dur,
+            step=rec.step,
+        )
+    )
+
+
+def _t0(t: torch.Tensor) -> float | None:
+    rec = _recorder()
+    if rec is None or not (rec.time_on_gpu and t.is_cuda):
+        return None
+    torch.cuda.synchronize(t.device)
+    return time.perf_counter()
+
+
+def world_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce(
+    t: torch.Tensor,
+    group,
+    group_name: str,
+    op=dist.ReduceOp.SUM,
+    region: str | None = None,
+    async_op: bool = False,
+):
+    """In-place all-reduce; returns a work handle when ``async_op``."""
+    if world_size(group) == 1:
+        return None
+    t0 = _t0(t)
+    work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    _record("all_reduce", group_name, t, region, t0)
+    return work
+
+
+def all_gather(
+    t: torch.Tensor, group, group_name: str, dim: int = 0, region: str | None = None
+) -> torch.Tensor:
+    """Concatenate equal-shaped ``t`` from every rank along ``dim``."""
+    n = world_size(group)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    t0 = _t0(t)
+    if dim == 0:
+        out = torch.empty((n * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        if t.is_cuda:
+            dist.all_gather_into_tensor(out, t, group=group)
+        else:
+            dist.all_gather(list(out.chunk(n)), t, group=group)
+    else:
+        parts = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(parts, t, group=group)
+        out = torch.cat(parts, dim=dim)
+    _record("all_gather", group_name, t, region, t0)
+    return out
+
+
+def reduce_scatter(t: torch.Tensor, group, group_name: str, region: str | None = None) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's slice of dim 0 (dim 0 must divide by the group size)."""
+    n = world_size(group)
+    if n == 1:
+        return t
+    t = t.contiguous()
+    t0 = _t0(t)
+    out = torch.empty((t.shape[0] // n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    if t.is_cuda:
+        dist.reduce_scatter_tensor(out, t, group=group)
+    else:
+        # gloo has no reduce_scatter: all-reduce then slice moves more bytes than NCCL would, but the
+        # record counts the logical payload (the input), which is what the NCCL path sends.
+        buf = t.clone()
+        dist.all_reduce(buf, group=group)
+        out.copy_(buf.chunk(n)[dist.get_rank(group)])
+    _record("reduce_scatter", group_name, t, region, t0)
+    return out
+
+
+def broadcast(t: torch.Tensor, src: int, group, group_name: str, region: str | None = None) -> None:
+    if world_size(group) == 1:
+        return
+    t0 = _t0(t)
+    dist.broadcast(t, src=src, group=group)
+    _record("broadcast", group_name, t, region, t0)
+
+
+def p2p(ops: list[tuple[str, torch.Tensor, int]], group, group_name: str = "pp", region: str = "pipeline"):
+    """Batched point-to-point: ``ops`` is a list of ("send"|"recv", tensor, global peer rank).
+
+    Returns after all transfers are done. Under gloo each op is issued separately (gloo has no
+    batch_isend_irecv fusion), under NCCL they are batched so sends and receives cannot deadlock.
+    """
+    if not ops:
+        return
+    rec = _recorder()
+    t0 = _t0(ops[0][1]) if rec is not None else None
+    if ops[0][1].is_cuda:
+        p2p_ops = [
+            dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops
+        ]
+        for w in dist.batch_isend_irecv(p2p_ops):
+            w.wait()
+    else:
+        works = []
+        for kind, t, peer in ops:
+            fn = dist.isend if kind == "send" else dist.irecv
+            works.append(fn(t, peer, group=group))
+        for w in works:
+            w.wait()
+    for kind, t, _ in ops:
+        if kind == "send":
+            _record("send", group_name, t, region, None)
+    if t0 is not None and rec is not None and rec.records:
+        rec.records[-1].duration_ms = (time.perf_counter() - t0) * 1e3

@@ -1,0 +1,138 @@
+"""Process groups, on megatron-core's ``parallel_state``.
+
+megatron-core builds the TP/PP/DP groups (rank order tp fastest, then dp, then pp) and its
+layers and optimizer read them from there; megasparse reads the same groups through this thin
+facade so model code never touches torch.distributed or parallel_state directly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the tp × pp × dp grid."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    sequence_parallel: bool = False
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+_layout = Layout()
+
+
+def layout() -> Layout:
+    return _layout
+
+
+def world_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun/Slurm env vars, before any group exists."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+    return rank, world, local
+
+
+def init(
+    tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto", timeout_s: int = 600
+) -> Layout:
+    """Create the default group (if needed) and the megatron-core model-parallel groups."""
+    global _layout
+    from datetime import timedelta
+
+    from megatron.core import parallel_state as ps
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rank, world, local = world_env()
+    if backend == "nccl":
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ and world == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    _layout = Layout(
+        tp=tp,
+        pp=pp,
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        sequence_parallel=sequence_parallel,
+    )
+    return _layout
+
+
+def destroy() -> None:
+    global _layout
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _layout = Layout()
+
+
+def _ps():
+    from megatron.core import parallel_state as ps
+
+    return ps if ps.model_parallel_is_initialized() else None
+
+
+def tp_group():
+    ps = _ps()
+    return ps.get_tensor_model_parallel_group() if ps else None
+
+
+def pp_group():
+    ps = _ps()
+    return ps.get_pipeline_model_parallel_group() if ps else None
+
+
+def dp_group():
+    ps = _ps()
+    return ps.get_data_parallel_group() if ps else None
+
+
+def mp_group():
+    """Model-parallel group (tp × pp): gradient-norm reductions span it."""
+    ps = _ps()
+    return ps.get_model_parallel_group() if ps else None
+
+
+def pp_next_rank() -> int:
+    return _ps().get_pipeline_model_parallel_next_rank()
+
+
+def pp_prev_rank() -> int:
+    return _ps().get_pipeline_model_parallel_prev_rank()
+
+
+def pp_last_rank() -> int:
+    return _ps().get_pipeline_model_parallel_last_rank()
+
+
+def pp_first_rank() -> int:
+    return _ps().get_pipeline_model_parallel_first_rank()
