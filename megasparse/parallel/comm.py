@@ -146,9 +146,7 @@ def all_reduce(
     return work
 
 
-def all_gather(
-    t: torch.Tensor, group, group_name: str, dim: int = 0, region: str | None = None
-) -> torch.Tensor:
+def all_gather(t: torch.Tensor, group, group_name: str, dim: int = 0, region: str | None = None) -> torch.Tensor:
     """Concatenate equal-shaped ``t`` from every rank along ``dim``."""
     n = world_size(group)
     if n == 1:
@@ -208,9 +206,7 @@ def p2p(ops: list[tuple[str, torch.Tensor, int]], group, group_name: str = "pp",
     rec = _recorder()
     t0 = _t0(ops[0][1]) if rec is not None else None
     if ops[0][1].is_cuda:
-        p2p_ops = [
-            dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops
-        ]
+        p2p_ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops]
         for w in dist.batch_isend_irecv(p2p_ops):
             w.wait()
     else:

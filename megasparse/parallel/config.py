@@ -33,8 +33,7 @@ class ParallelConfig:
             )
         if self.pp > num_layers:
             raise ConfigError(
-                f"parallel.pp={self.pp} is more pipeline stages than model.num_layers={num_layers}; "
-                "lower parallel.pp"
+                f"parallel.pp={self.pp} is more pipeline stages than model.num_layers={num_layers}; lower parallel.pp"
             )
         if self.layer_split is not None:
             if len(self.layer_split) != self.pp or sum(self.layer_split) != num_layers:

@@ -50,9 +50,7 @@ def world_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-def init(
-    tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto", timeout_s: int = 600
-) -> Layout:
+def init(tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto", timeout_s: int = 600) -> Layout:
     """Create the default group (if needed) and the megatron-core model-parallel groups."""
     global _layout
     from datetime import timedelta

@@ -29,9 +29,7 @@ class SparsityConfig:
         if self.refresh_interval < 1:
             raise ConfigError(f"sparsity.refresh_interval={self.refresh_interval} must be >= 1")
         if not 0.0 <= self.dense_finetune_fraction < 1.0:
-            raise ConfigError(
-                f"sparsity.dense_finetune_fraction={self.dense_finetune_fraction} must be in [0, 1)"
-            )
+            raise ConfigError(f"sparsity.dense_finetune_fraction={self.dense_finetune_fraction} must be in [0, 1)")
         if self.backend not in ("auto", "cusparselt", "emulate"):
             raise ConfigError(f"sparsity.backend={self.backend!r}: use auto, cusparselt or emulate")
         if self.layers != "all":
