@@ -1,0 +1,237 @@
+"""GPT training samples: documents packed with EOD between them, split by document, read in a seeded order.
+
+Packing. A split's documents (in file order) form one token stream, each document followed by EOD (the
+EOD already written by ``preprocess`` is reused; one is inserted where a foreign dataset lacks it). Sample
+``i`` is the window ``stream[i*S : i*S + S + 1]`` for ``S = seq_length``: inputs ``[:-1]``, labels ``[1:]``,
+so consecutive samples overlap by one token and every stream token except the first is a label once.
+
+Split. ``valid_fraction`` of the documents, picked by a permutation seeded with ``data.seed``, form the
+validation stream; the rest the training stream. Splits never share a document or a window.
+
+Order. The global sample stream is epoch after epoch of a seeded permutation of the training samples
+(``seed``, ``epoch``); the validation split is read in order. Global sample ``g`` is fully determined by
+``(seed, g)``, which is what makes resuming exact (see :func:`batch_iterator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from megasparse.configbase import ConfigError
+from megasparse.data.config import DataConfig
+from megasparse.data.indexed import DataError, IndexedDataset
+from megasparse.data.tokenizer import BUILTIN_PREFIX, TokenizerInfo, tokenizer_info
+
+__all__ = [
+    "PackedDataset",
+    "TokenizerInfo",
+    "batch_iterator",
+    "build_datasets",
+    "reference_prefix",
+    "split_documents",
+]
+
+
+def split_documents(num_docs: int, valid_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, valid) document ids, each sorted; at least one document on each side."""
+    if num_docs < 2:
+        raise DataError(f"the dataset has {num_docs} document(s); a train/validation split needs at least 2")
+    n_valid = min(num_docs - 1, max(1, int(round(num_docs * valid_fraction))))
+    perm = np.random.default_rng([seed, 0x5B1]).permutation(num_docs)
+    return np.sort(perm[n_valid:]), np.sort(perm[:n_valid])
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Fixed-length windows over one split's EOD-separated documents (see the module docstring)."""
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        doc_ids: np.ndarray,
+        seq_length: int,
+        eod_id: int,
+        seed: int = 1234,
+        shuffle: bool = True,
+        name: str = "train",
+    ) -> None:
+        if seq_length < 1:
+            raise ConfigError(f"model.seq_length={seq_length} must be >= 1")
+        self.indexed, self.seq_length, self.eod_id = indexed, seq_length, eod_id
+        self.seed, self.shuffle, self.name = seed, shuffle, name
+        self.doc_ids = np.asarray(doc_ids, dtype=np.int64)
+        self._starts = indexed.doc_starts[self.doc_ids]
+        self._lens = indexed.doc_lengths[self.doc_ids]
+        ends_eod = np.zeros(len(self.doc_ids), dtype=bool)
+        nonempty = self._lens > 0
+        if indexed.num_tokens:
+            ends_eod[nonempty] = indexed.tokens[self._starts[nonempty] + self._lens[nonempty] - 1] == eod_id
+        self._add_eod = ~ends_eod
+        self._cum = np.zeros(len(self.doc_ids) + 1, dtype=np.int64)
+        np.cumsum(self._lens + self._add_eod, out=self._cum[1:])
+        self.num_tokens = int(self._cum[-1])
+        """Tokens in this split's stream, EODs included."""
+        self.num_samples = max(0, (self.num_tokens - 1) // seq_length)
+        self._order_cache: tuple[int, int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def positions(self, i: int) -> np.ndarray:
+        """Positions in the ``.bin`` of sample ``i``'s ``seq_length + 1`` tokens; -1 marks an inserted EOD.
+
+        Gathering any per-token array aligned with the ``.bin`` at these positions (a reference-loss sidecar,
+        say) yields values aligned with the sample.
+        """
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range for {self.name} split of {self.num_samples} samples")
+        lo, hi = i * self.seq_length, i * self.seq_length + self.seq_length + 1
+        out = np.empty(hi - lo, dtype=np.int64)
+        d = int(np.searchsorted(self._cum, lo, side="right")) - 1
+        n = 0
+        while n < len(out):
+            s0, length = int(self._cum[d]), int(self._lens[d])
+            a, b = max(lo, s0), min(hi, s0 + length)
+            if b > a:  # real tokens of document d inside the window
+                base = int(self._starts[d]) - s0
+                out[n : n + b - a] = np.arange(a + base, b + base)
+                n += b - a
+            if self._add_eod[d] and lo <= s0 + length < hi:
+                out[n] = -1
+                n += 1
+            d += 1
+        return out
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        pos = self.positions(int(i))
+        real = pos >= 0
+        toks = np.full(len(pos), self.eod_id, dtype=np.int64)
+        toks[real] = self.indexed.tokens[pos[real]]
+        return torch.from_numpy(toks)
+
+    def epoch_order(self, epoch: int, seed: int | None = None) -> np.ndarray:
+        """Sample ids in the order epoch ``epoch`` reads them."""
+        seed = self.seed if seed is None else seed
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        if self._order_cache is None or self._order_cache[:2] != (seed, epoch):
+            order = np.random.default_rng([seed, epoch, 0x0DE]).permutation(self.num_samples)
+            self._order_cache = (seed, epoch, order)
+        return self._order_cache[2]
+
+    def global_sample(self, g: int, seed: int | None = None) -> torch.Tensor:
+        """The ``g``-th sample of the endless epoch-by-epoch stream."""
+        if self.num_samples == 0:
+            raise DataError(
+                f"{self.name} split has {self.num_tokens} tokens, fewer than seq_length+1={self.seq_length + 1}; "
+                "use more data, a shorter model.seq_length or another data.valid_fraction"
+            )
+        epoch, k = divmod(g, self.num_samples)
+        return self[int(self.epoch_order(epoch, seed)[k])]
+
+
+def batch_iterator(
+    ds: PackedDataset,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    start_sample: int = 0,
+    seed: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """Endless micro-batches ``[micro_batch_size, seq_length + 1]`` (int64) for one data-parallel rank.
+
+    Scheme: global samples are consumed in rounds of ``micro_batch_size * dp_size``; in round ``k`` rank
+    ``r`` gets global samples ``start + (k*dp_size + r)*micro`` ... ``+ micro - 1``. Equivalently global
+    micro-batch ``m`` (``micro`` consecutive samples) goes to rank ``m % dp_size``. So a global batch of
+    ``G`` samples starting at ``consumed_samples`` is the same ``G`` samples — split into the same
+    micro-batches — for every DP size; DP=2 just deals them out alternately.
+
+    Resuming: pass the checkpoint's ``consumed_samples`` (global, over all ranks) as ``start_sample``; it
+    must be a multiple of ``micro_batch_size * dp_size`` (true after whole global batches). The samples
+    yielded are exactly those the uninterrupted run would have read next.
+    """
+    if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ConfigError(f"batch_iterator: bad micro_batch_size={micro_batch_size} / dp_rank={dp_rank}/{dp_size}")
+    per_round = micro_batch_size * dp_size
+    if start_sample < 0 or start_sample % per_round:
+        raise ConfigError(
+            f"resume offset consumed_samples={start_sample} is not a multiple of micro_batch_size x dp = "
+            f"{per_round}; resume at a global-batch boundary"
+        )
+    g = start_sample + dp_rank * micro_batch_size
+    while True:
+        yield torch.stack([ds.global_sample(g + j, seed) for j in range(micro_batch_size)])
+        g += per_round
+
+
+def _is_builtin(spec: str | None) -> bool:
+    return bool(spec) and spec.startswith(BUILTIN_PREFIX)
+
+
+def _builtin(data_cfg: DataConfig, rank0_builds: bool):
+    from megasparse.data.builtin import ensure_builtin
+
+    return ensure_builtin(
+        data_cfg.prefix if _is_builtin(data_cfg.prefix) else data_cfg.tokenizer,
+        cache_dir=data_cfg.cache_dir,
+        vocab_size=data_cfg.tokenizer_vocab,
+        builder=None if rank0_builds else True,
+    )
+
+
+def build_datasets(
+    data_cfg: DataConfig,
+    seq_length: int,
+    vocab_size: int | None = None,
+    rank0_builds: bool = True,
+) -> tuple[PackedDataset, PackedDataset, TokenizerInfo]:
+    """(train, valid, tokenizer info) for a run; builds ``builtin:`` data on first use.
+
+    ``vocab_size`` is the model's (padded) vocabulary: every token id of the dataset must be below it
+    (checked with one pass over the mmap). ``rank0_builds``: only local rank 0 builds built-in data while
+    the node's other ranks wait (False: each process builds under the cache lock, first one wins).
+    """
+    prefix, tok_spec = data_cfg.prefix, data_cfg.tokenizer
+    if _is_builtin(prefix) or _is_builtin(tok_spec):
+        paths = _builtin(data_cfg, rank0_builds)
+        if _is_builtin(prefix):
+            if not _is_builtin(tok_spec):
+                raise ConfigError(
+                    f"data.prefix={prefix} is tokenized with the built-in tokenizer; set data.tokenizer={prefix}"
+                )
+            prefix = paths.prefix
+        if _is_builtin(tok_spec):
+            tok_spec = str(paths.tokenizer)
+    info = tokenizer_info(tok_spec)
+    if vocab_size is not None and vocab_size < info.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is smaller than the tokenizer's {info.vocab_size} ({info.path}); "
+            "leave it null to use the tokenizer's"
+        )
+    indexed = IndexedDataset(prefix)
+    indexed.check_vocab(vocab_size if vocab_size is not None else info.vocab_size)
+    train_ids, valid_ids = split_documents(len(indexed), data_cfg.valid_fraction, data_cfg.seed)
+    train = PackedDataset(indexed, train_ids, seq_length, info.eod_id, data_cfg.seed, shuffle=True, name="train")
+    valid = PackedDataset(indexed, valid_ids, seq_length, info.eod_id, data_cfg.seed, shuffle=False, name="valid")
+    for ds in (train, valid):
+        if len(ds) == 0:
+            raise DataError(
+                f"{prefix}: the {ds.name} split has {ds.num_tokens} tokens, fewer than seq_length+1="
+                f"{seq_length + 1}; use more data, a shorter model.seq_length or another data.valid_fraction"
+            )
+    return train, valid, info
+
+
+def reference_prefix(data_cfg: DataConfig, rank0_builds: bool = True) -> str | None:
+    """Indexed dataset of the reference (high-quality) corpus for token filtering, or None if there is none.
+
+    ``data.reference_prefix`` if set; otherwise the bundled Milton corpus when the data is built-in.
+    """
+    if data_cfg.reference_prefix:
+        IndexedDataset(data_cfg.reference_prefix)  # fail early with a clear message
+        return data_cfg.reference_prefix
+    if _is_builtin(data_cfg.prefix):
+        return _builtin(data_cfg, rank0_builds).reference_prefix
+    return None
