@@ -82,7 +82,7 @@ def strip_gutenberg(text: str) -> str:
     return text.strip()
 
 
-def split_documents(text: str, target: int = DOC_TARGET_CHARS, max_chars: int = DOC_MAX_CHARS) -> list[str]:
+def chunk_work(text: str, target: int = DOC_TARGET_CHARS, max_chars: int = DOC_MAX_CHARS) -> list[str]:
     """Cut a work into documents of about ``target`` characters at paragraph breaks, preferring act/scene/book
     headings, so packing sees many documents (and EODs) per work; no document exceeds ``max_chars``."""
     paras: list[str] = []
@@ -155,7 +155,7 @@ def _write_jsonl(path: Path, works: list[tuple[str, str]]) -> tuple[int, int]:
     n_docs = n_chars = 0
     with open(path, "w", encoding="utf-8") as f:
         for name, text in works:
-            for doc in split_documents(text):
+            for doc in chunk_work(text):
                 f.write(json.dumps({"text": doc, "source": name}) + "\n")
                 n_docs += 1
                 n_chars += len(doc)
