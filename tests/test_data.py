@@ -101,44 +101,28 @@ def _one_line_error(exc_info, *needles: str) -> None:
         assert n in msg, msg
 
 
-def test_error_missing_idx(small_dataset):
-    Path(f"{small_dataset}.idx").unlink()
+def _rewrite(path: Path, edit) -> None:
+    path.write_bytes(edit(path.read_bytes()))
+
+
+# name -> (how the files get broken, what the one-line error must say)
+BROKEN = {
+    "missing_idx": (lambda p: Path(f"{p}.idx").unlink(), ("d.idx", "does not exist")),
+    "missing_bin": (lambda p: Path(f"{p}.bin").unlink(), ("d.bin", "does not exist")),
+    "corrupt_header": (lambda p: _rewrite(Path(f"{p}.idx"), lambda b: b"JUNK" + b[4:]), ("d.idx", "bad header")),
+    "truncated_bin": (lambda p: _rewrite(Path(f"{p}.bin"), lambda b: b[:-6]), ("d.bin", "truncated")),
+    "truncated_idx": (lambda p: _rewrite(Path(f"{p}.idx"), lambda b: b[:-8]), ("d.idx", "corrupt")),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_error_broken_files(small_dataset, case):
+    IndexedDataset(small_dataset)  # fine before
+    breaker, needles = BROKEN[case]
+    breaker(small_dataset)
     with pytest.raises(DataError) as e:
         IndexedDataset(small_dataset)
-    _one_line_error(e, "d.idx", "does not exist")
-
-
-def test_error_missing_bin(small_dataset):
-    Path(f"{small_dataset}.bin").unlink()
-    with pytest.raises(DataError) as e:
-        IndexedDataset(small_dataset)
-    _one_line_error(e, "d.bin", "does not exist")
-
-
-def test_error_corrupt_header(small_dataset):
-    idx = Path(f"{small_dataset}.idx")
-    raw = bytearray(idx.read_bytes())
-    raw[:4] = b"JUNK"
-    idx.write_bytes(bytes(raw))
-    with pytest.raises(DataError) as e:
-        IndexedDataset(small_dataset)
-    _one_line_error(e, "d.idx", "bad header")
-
-
-def test_error_truncated_bin(small_dataset):
-    b = Path(f"{small_dataset}.bin")
-    b.write_bytes(b.read_bytes()[:-6])
-    with pytest.raises(DataError) as e:
-        IndexedDataset(small_dataset)
-    _one_line_error(e, "d.bin", "truncated")
-
-
-def test_error_truncated_idx(small_dataset):
-    idx = Path(f"{small_dataset}.idx")
-    idx.write_bytes(idx.read_bytes()[:-8])
-    with pytest.raises(DataError) as e:
-        IndexedDataset(small_dataset)
-    _one_line_error(e, "d.idx", "corrupt")
+    _one_line_error(e, *needles)
 
 
 def test_error_token_id_out_of_vocab(small_dataset, tiny_tokenizer):
