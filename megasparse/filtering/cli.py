@@ -1,0 +1,197 @@
+"""``megasparse ref``: build reference losses for token filtering.
+
+    megasparse ref ngram --data PREFIX --tokenizer T [--order 3] --out counts.npz [--sidecar-for PREFIX2]
+    megasparse ref score CHECKPOINT_DIR CONFIG.yaml --data PREFIX --out SIDECAR [key.sub=value ...]
+
+``--data`` takes an indexed-dataset prefix, or ``builtin:milton`` / ``builtin:shakespeare`` for the bundled
+corpora (the Milton texts are the intended reference corpus for the Shakespeare training set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from megasparse.configbase import ConfigError
+from megasparse.filtering.ngram import NgramLM
+from megasparse.filtering.sidecar import write_sidecar
+
+__all__ = ["main", "ngram_sidecar_chunks", "score_stream"]
+
+_CHUNK_TOKENS = 1 << 22
+
+
+def _resolve_prefix(spec: str, tokenizer: str | None) -> str:
+    if not spec.startswith("builtin:"):
+        return spec
+    from megasparse.data.builtin import ensure_builtin
+
+    if spec not in ("builtin:milton", "builtin:shakespeare"):
+        raise ConfigError(f"--data {spec}: built-in datasets are builtin:milton and builtin:shakespeare")
+    if tokenizer not in (None, "builtin:shakespeare"):
+        raise ConfigError(f"--data {spec} is tokenized with builtin:shakespeare; drop --tokenizer {tokenizer}")
+    paths = ensure_builtin("builtin:shakespeare", builder=True)
+    return paths.reference_prefix if spec == "builtin:milton" else paths.prefix
+
+
+def _vocab(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(vocab size, eod id) from --tokenizer, or from --vocab-size/--eod-id."""
+    if args.vocab_size is not None:
+        return args.vocab_size, args.eod_id
+    if args.tokenizer is None and not args.data.startswith("builtin:"):
+        raise ConfigError("megasparse ref ngram needs --tokenizer (or --vocab-size) to know the vocabulary")
+    from megasparse.data.tokenizer import tokenizer_info
+
+    info = tokenizer_info(args.tokenizer or "builtin:shakespeare")
+    return info.vocab_size, info.eod_id if args.eod_id is None else args.eod_id
+
+
+def ngram_sidecar_chunks(lm: NgramLM, prefix: str) -> Iterator[np.ndarray]:
+    """Losses of every token of ``prefix`` in order, in document-aligned chunks (bounded memory)."""
+    from megasparse.data.indexed import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    starts = np.asarray(ds.doc_starts, dtype=np.int64)
+    begin = 0
+    while begin < ds.num_tokens:
+        # end the chunk at the first document start past begin + _CHUNK_TOKENS (or the end of the data)
+        j = np.searchsorted(starts, begin + _CHUNK_TOKENS, side="left")
+        end = int(starts[j]) if j < len(starts) else ds.num_tokens
+        rel = starts[(starts >= begin) & (starts < end)] - begin
+        yield lm.stream_losses(np.asarray(ds.tokens[begin:end]), doc_starts=rel)
+        begin = end
+
+
+def score_stream(
+    token_losses: Callable[[torch.Tensor], torch.Tensor],
+    tokens: np.ndarray,
+    seq_len: int,
+    batch_size: int = 8,
+    overlap: int | None = None,
+    device: str | torch.device = "cpu",
+) -> np.ndarray:
+    """Per-token losses of a flat stream with a causal scorer that sees ``seq_len`` tokens at a time.
+
+    ``token_losses(windows [seq_len, b]) -> [seq_len, b]`` gives the loss of each token from its prefix inside
+    the window. Windows overlap by ``overlap`` tokens (default seq_len // 4) and only positions with at least
+    that much context are kept, so every token but the first ``overlap`` of the stream is scored with
+    ``overlap``+ tokens of context. Token 0 has no prefix and gets 0.
+    """
+    overlap = seq_len // 4 if overlap is None else overlap
+    if not 0 <= overlap < seq_len:
+        raise ValueError(f"overlap {overlap} must be in [0, seq_len={seq_len})")
+    n = len(tokens)
+    stride = seq_len - overlap
+    starts = list(range(0, max(n - overlap, 1), stride))
+    out = np.zeros(n, dtype=np.float32)
+    for i in range(0, len(starts), batch_size):
+        group = starts[i : i + batch_size]
+        win = np.zeros((len(group), seq_len), dtype=np.int64)
+        for r, st in enumerate(group):
+            piece = np.asarray(tokens[st : st + seq_len], dtype=np.int64)
+            win[r, : len(piece)] = piece  # tail padding: causal scoring never lets it reach earlier tokens
+        with torch.no_grad():
+            losses = token_losses(torch.from_numpy(win.T.copy()).to(device)).float().cpu().numpy().T
+        for r, st in enumerate(group):
+            lo = 0 if st == 0 else overlap
+            hi = min(seq_len, n - st)
+            out[st + lo : st + hi] = losses[r, lo:hi]
+    if n:
+        out[0] = 0.0
+    return out
+
+
+def _cmd_ngram(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="megasparse ref ngram", description="fit a Kneser-Ney n-gram reference")
+    ap.add_argument("--data", required=True, help="reference corpus: indexed prefix or builtin:milton")
+    ap.add_argument("--tokenizer", default=None, help="tokenizers JSON or builtin:shakespeare (vocab size, eod id)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="instead of --tokenizer")
+    ap.add_argument("--eod-id", type=int, default=None, help="end-of-document id (default: the tokenizer's)")
+    ap.add_argument("--order", type=int, default=3)
+    ap.add_argument("--out", required=True, help="counts file (.npz) for filter.ngram_path")
+    ap.add_argument("--sidecar-for", default=None, help="also write a reference-loss sidecar for this dataset")
+    ap.add_argument("--sidecar-out", default=None, help="sidecar path (default PREFIX2.refloss)")
+    ap.add_argument("--sidecar-dtype", default="float16", choices=["float16", "float32"])
+    args = ap.parse_args(argv)
+    from megasparse.data.indexed import IndexedDataset
+
+    t0 = time.time()
+    vocab, eod = _vocab(args)
+    ds = IndexedDataset(_resolve_prefix(args.data, args.tokenizer))
+    lm = NgramLM.fit(np.asarray(ds.tokens), vocab, order=args.order, eod_id=eod, doc_starts=ds.doc_starts)
+    lm.save(args.out)
+    ref_nll = float(np.mean(lm.stream_losses(np.asarray(ds.tokens), doc_starts=ds.doc_starts)))
+    rows = [("reference corpus", ds.prefix, ds.num_tokens, ref_nll)]
+    if args.sidecar_for:
+        prefix2 = _resolve_prefix(args.sidecar_for, args.tokenizer)
+        out2 = args.sidecar_out or f"{prefix2}.refloss"
+        total, count = 0.0, 0
+
+        def counted() -> Iterator[np.ndarray]:
+            nonlocal total, count
+            for chunk in ngram_sidecar_chunks(lm, prefix2):
+                total, count = total + float(chunk.sum()), count + chunk.size
+                yield chunk
+
+        write_sidecar(out2, prefix2, counted(), dtype=args.sidecar_dtype)
+        rows.append((f"sidecar -> {out2}", prefix2, count, total / max(count, 1)))
+    print(f"order-{args.order} KN n-gram, vocab {vocab}, saved {args.out} ({time.time() - t0:.1f}s)")
+    print(f"{'what':<40} {'tokens':>10} {'mean NLL (nats)':>16}  prefix")
+    for what, prefix, n, nll in rows:
+        print(f"{what:<40} {n:>10} {nll:>16.4f}  {prefix}")
+    return 0
+
+
+def _cmd_score(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="megasparse ref score", description="reference losses from a checkpoint")
+    ap.add_argument("checkpoint")
+    ap.add_argument("config")
+    ap.add_argument("--data", required=True, help="indexed prefix to score (or builtin:shakespeare)")
+    ap.add_argument("--out", required=True, help="sidecar path (set data.ref_losses to it)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--overlap", type=int, default=None, help="context tokens carried between windows")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
+    ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    args = ap.parse_args(argv)
+    from megasparse.config import load_config
+    from megasparse.data.indexed import IndexedDataset
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        from megasparse.train import load_model_for_inference
+    except ImportError as e:
+        raise NotImplementedError(
+            "needs megasparse.train.load_model_for_inference, which this build does not have yet; "
+            "use `megasparse ref ngram --sidecar-for` for now"
+        ) from e
+    model = load_model_for_inference(cfg, args.checkpoint)
+    prefix = _resolve_prefix(args.data, None)
+    ds = IndexedDataset(prefix)
+    device = next(model.parameters()).device if hasattr(model, "parameters") else "cpu"
+    losses = score_stream(
+        model.token_losses, ds.tokens, cfg.model.seq_length, args.batch_size, args.overlap, device=device
+    )
+    write_sidecar(args.out, prefix, losses, dtype=args.dtype)
+    print(f"{'tokens':>10} {'mean NLL (nats)':>16}  sidecar")
+    print(f"{ds.num_tokens:>10} {float(losses.mean()) if losses.size else 0.0:>16.4f}  {args.out}")
+    return 0
+
+
+_SUBCOMMANDS = {"ngram": _cmd_ngram, "score": _cmd_score}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in _SUBCOMMANDS:
+        print("usage: megasparse ref {ngram,score} ...  (see --help of each)", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    try:
+        return _SUBCOMMANDS[argv[0]](argv[1:])
+    except (ConfigError, NotImplementedError, FileNotFoundError) as e:
+        print(f"megasparse ref {argv[0]}: {e}", file=sys.stderr)
+        return 2
