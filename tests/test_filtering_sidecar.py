@@ -1,4 +1,5 @@
-"""Reference-loss sidecar: round trip, gather by offset, refusal of sidecars from another dataset build."""
+"""Reference-loss sidecar: round trip, gather by offset, refusal of sidecars from another dataset build,
+alignment with packed samples through the trainer's ReferenceLosses entry point."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from megasparse.configbase import ConfigError
 from megasparse.data.indexed import write_indexed
+from megasparse.filtering.config import FilterConfig
+from megasparse.filtering.reference import ReferenceLosses
 from megasparse.filtering.sidecar import SidecarError, gather_ref_losses, open_sidecar, write_sidecar
 
 
@@ -101,10 +105,23 @@ def test_gather_aligns_with_packed_samples(tmp_path) -> None:
     lm = NgramLM.fit(np.asarray(ds.tokens), 30, order=2, eod_id=eod, doc_starts=ds.doc_starts)
     write_sidecar(tmp_path / "s", prefix, lm.stream_losses(np.asarray(ds.tokens), doc_starts=ds.doc_starts), "float32")
     side = open_sidecar(tmp_path / "s", prefix)
+    lm.save(tmp_path / "lm.npz")
+    # the trainer's entry point, both sources
+    from_sidecar = ReferenceLosses.from_config(FilterConfig(reference="sidecar"), str(tmp_path / "s"), str(prefix))
+    from_ngram = ReferenceLosses.from_config(
+        FilterConfig(reference="ngram", ngram_path=str(tmp_path / "lm.npz")), None, None
+    )
     packed = PackedDataset(ds, np.arange(1, 12, 2), seq_length=16, eod_id=eod, shuffle=False)
     for i in range(len(packed)):
         sample = packed[i]
         pos = torch.from_numpy(packed.positions(i))
         got = gather_ref_losses(side, pos[1:].reshape(-1, 1))
-        expect = lm.label_losses(sample[:-1].reshape(-1, 1), sample[1:].reshape(-1, 1))
+        tokens, labels = sample[:-1].reshape(-1, 1), sample[1:].reshape(-1, 1)
+        expect = lm.label_losses(tokens, labels)
         torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(from_sidecar(tokens, labels, pos[1:].reshape(-1, 1)), expect, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(from_ngram(tokens, labels), expect, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="data.ref_losses"):
+        ReferenceLosses.from_config(FilterConfig(reference="sidecar"), None, str(prefix))
+    with pytest.raises(ConfigError, match="ngram_path"):
+        ReferenceLosses.from_config(FilterConfig(reference="ngram"), None, None)
