@@ -1,0 +1,159 @@
+"""Llama-style decoder, one pipeline stage at a time.
+
+A stage holds a contiguous range of transformer blocks; the first stage also owns the
+vocabulary-parallel input embedding, the last the final norm and the vocabulary-parallel output
+layer. Every parameter is initialised from a seed and its global name, so any TP/PP/DP layout
+starts from the same full model. Activations are [s, b, h], sequence-sharded under SP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megasparse.model.config import ModelConfig
+from megasparse.ops.attention import attention, rope_tables
+from megasparse.ops.rowwise import rms_norm, swiglu
+from megasparse.parallel import state
+from megasparse.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    padded_vocab_init,
+)
+from megasparse.parallel.vocab_ce import KeepHolder, vocab_parallel_ce
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, device, sequence_parallel: bool):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, device=device))
+        # Under SP each TP rank sees a different sequence shard: the trainer sums these grads over TP.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype):
+        super().__init__()
+        tp = state.layout().tp
+        d = cfg.head_dim
+        self.nq, self.nkv = cfg.num_attention_heads // tp, cfg.kv_heads // tp
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype)
+        parts = [cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d]
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, parts, name=f"layers.{layer}.attn.qkv", init_std=cfg.init_std, **kw
+        )
+        self.proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, name=f"layers.{layer}.attn.proj", init_std=out_std, **kw
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.proj(attention(self.qkv(x), self.nq, self.nkv, cos, sin))
+
+
+class SwiGLUMLP(nn.Module):
+    """fc1 (column-parallel, [gate | up] chunk order per shard) → SwiGLU → fc2 (row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype):
+        super().__init__()
+        f = cfg.ffn_size
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype)
+        self.fc1 = ColumnParallelLinear(
+            cfg.hidden_size, [f, f], name=f"layers.{layer}.mlp.fc1", init_std=cfg.init_std, **kw
+        )
+        self.fc2 = RowParallelLinear(f, cfg.hidden_size, name=f"layers.{layer}.mlp.fc2", init_std=out_std, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(swiglu(self.fc1(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype):
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sp)
+        self.attn = Attention(cfg, layer, seed, device, sp, dtype)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sp)
+        self.mlp = SwiGLUMLP(cfg, layer, seed, device, sp, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPTStage(nn.Module):
+    """The part of the decoder that lives on this pipeline rank."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers_per_stage: list[int],
+        vocab_size: int,
+        vocab_padded: int,
+        *,
+        seed: int,
+        device,
+        compute_dtype: torch.dtype,
+        sequence_parallel: bool = False,
+    ):
+        super().__init__()
+        lay = state.layout()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.compute_dtype = compute_dtype
+        self.sp = sequence_parallel
+        self.first, self.last = lay.is_first_stage, lay.is_last_stage
+        start = sum(layers_per_stage[: lay.pp_rank])
+        self.layer_ids = list(range(start, start + layers_per_stage[lay.pp_rank]))
+        kw = dict(seed=seed, device=device, sequence_parallel=sequence_parallel, compute_dtype=compute_dtype)
+        if self.first:
+            self.embedding = VocabParallelEmbedding(
+                vocab_padded, cfg.hidden_size, name="embedding", init_std=cfg.init_std, vocab_size=vocab_size, **kw
+            )
+        self.layers = nn.ModuleList(
+            TransformerBlock(cfg, i, seed, device, sequence_parallel, compute_dtype) for i in self.layer_ids
+        )
+        if self.last:
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sequence_parallel)
+            per_rank = vocab_padded // lay.tp
+            self.vocab_start = lay.tp_rank * per_rank
+            full = padded_vocab_init("output", vocab_size, vocab_padded, cfg.hidden_size, cfg.init_std, seed, device)
+            self.output_weight = nn.Parameter(full[self.vocab_start : self.vocab_start + per_rank].contiguous())
+            self.output_weight.tp_spec = (0, [vocab_padded])
+        cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: KeepHolder | None = None
+    ) -> torch.Tensor:
+        """First stage: x is token ids [s, b]. Last stage returns per-token loss [s·b]; others hidden."""
+        if self.first:
+            x = self.embedding(x)
+        for block in self.layers:
+            x = block(x, self.rope_cos, self.rope_sin)
+        if not self.last:
+            return x
+        x = self.final_norm(x)
+        return vocab_parallel_ce(
+            x,
+            self.output_weight,
+            targets,
+            vocab_start=self.vocab_start,
+            vocab_size=self.vocab_size,
+            sequence_parallel=self.sp,
+            compute_dtype=self.compute_dtype,
+            keep=keep,
+        )
+
+    def param_is_sharded(self, name: str) -> bool:
+        """TP-sharded parameters differ across TP ranks; the norms are replicated."""
+        return hasattr(self.get_parameter(name), "tp_spec")

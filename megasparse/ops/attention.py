@@ -1,0 +1,113 @@
+"""Causal self-attention core (RoPE + GQA + flash attention) with a filter-aware backward.
+
+Input is the column-parallel QKV projection [s, b, (nq + 2·nkv)·d] of this TP rank's heads,
+laid out [q heads | k heads | v heads]; output [s, b, nq·d]. Forward runs the fused flash kernel
+(CUDA flash or the CPU flash kernel) and keeps its output and log-sum-exp. A dense gradient
+gets the kernel's own backward. A ``CompactGrad`` (token filtering, Collider semantics) gets, per
+sequence, the same backward kernel on the kept queries/keys/values only, with the forward's
+output and log-sum-exp rows of the kept queries: gradients flow only among kept tokens, and RoPE
+is undone at the tokens' original positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megasparse.ops.compact import CompactGrad
+
+
+def rope_tables(seq: int, dim: int, theta: float, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate-half RoPE on the last dim; ``cos``/``sin`` broadcast against x[..., :d/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    if inverse:
+        sin = -sin
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _flash_fwd(q, k, v, scale):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        return r[0], r[1], (r[6], r[7])
+    if q.is_cuda:  # fp32 on GPU: efficient-attention path
+        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)
+        return r[0], r[1], (r[2], r[3])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, None
+
+
+def _flash_bwd(g, q, k, v, out, lse, rng, scale):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        s_q, s_k = q.shape[2], k.shape[2]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, True, rng[0], rng[1], scale=scale
+        )
+    if q.is_cuda:
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, None, out, lse, rng[0], rng[1], 0.0, [True, True, True, False], True, scale=scale
+        )[:3]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, out, lse, 0.0, True, scale=scale
+    )
+
+
+class AttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor):
+        s, b, _ = qkv.shape
+        d = qkv.shape[-1] // (nq + 2 * nkv)
+        q, k, v = qkv.view(s, b, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
+        c, sn = cos[:s, None, None, :], sin[:s, None, None, :]
+        q = apply_rope(q, c.to(q.dtype), sn.to(q.dtype)).permute(1, 2, 0, 3)  # [b, nq, s, d]
+        k = apply_rope(k, c.to(k.dtype), sn.to(k.dtype)).permute(1, 2, 0, 3)
+        v = v.permute(1, 2, 0, 3)
+        group = nq // nkv
+        ke = k.repeat_interleave(group, dim=1) if group > 1 else k
+        ve = v.repeat_interleave(group, dim=1) if group > 1 else v
+        scale = d**-0.5
+        out, lse, rng = _flash_fwd(q, ke, ve, scale)
+        ctx.save_for_backward(q, ke, ve, out, lse, cos, sin)
+        ctx.meta = (nq, nkv, d, scale, rng, qkv.shape)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, ke, ve, out, lse, cos, sin = ctx.saved_tensors
+        nq, nkv, d, scale, rng, shape = ctx.meta
+        group = nq // nkv
+        s, b, _ = shape
+
+        def finish(dq, dk, dv, pos):
+            # dq/dk/dv: [bb, heads, t, d] -> rows [t, bb, (nq+2nkv)d] with RoPE undone at ``pos``.
+            if group > 1:
+                dk = dk.unflatten(1, (nkv, group)).sum(2)
+                dv = dv.unflatten(1, (nkv, group)).sum(2)
+            c, sn = cos[pos][None, None].to(dq.dtype), sin[pos][None, None].to(dq.dtype)
+            dq = apply_rope(dq, c, sn, inverse=True)
+            dk = apply_rope(dk, c, sn, inverse=True)
+            return torch.cat([dq, dk, dv], dim=1).permute(2, 0, 1, 3).flatten(2)
+
+        if not isinstance(g, CompactGrad):
+            go = g.view(s, b, nq, d).permute(1, 2, 0, 3)
+            dq, dk, dv = _flash_bwd(go, q, ke, ve, out, lse, rng, scale)
+            return finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape), None, None, None, None
+
+        rows = g.rows.new_empty(g.rows.shape[0], shape[-1])
+        for j, pos, sel in g.meta.per_sequence():
+            if pos.numel() == 0:
+                continue
+            go = g.rows.index_select(0, sel).view(1, -1, nq, d).permute(0, 2, 1, 3)
+            sub = [t[j : j + 1].index_select(2, pos) for t in (q, ke, ve, out)]
+            lse_j = lse[j : j + 1].index_select(2, pos).contiguous()
+            dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_j, rng, scale)
+            rows.index_copy_(0, sel, finish(dq, dk, dv, pos).reshape(-1, shape[-1]))
+        return CompactGrad(rows, g.meta, shape), None, None, None, None
+
+
+def attention(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return AttentionFn.apply(qkv, nq, nkv, cos, sin)

@@ -1,0 +1,112 @@
+"""Compact gradients: a gradient that holds only the kept tokens' rows.
+
+Autograd checks that a gradient has the shape of the forward output it belongs to, so a
+[k, h] tensor cannot be returned where [s, b, h] was produced. ``CompactGrad`` is a wrapper
+subclass that *reports* the full shape but stores only ``rows`` [k, h] and the flat row indices
+``meta.idx`` [k] (rows of the output flattened to [-1, h], ascending). megasparse's own autograd
+Functions unwrap it and run their backward GEMMs and collectives on the rows; autograd itself
+only ever adds two of them (residual connections), which ``__torch_dispatch__`` handles without
+densifying. Anything else densifies and counts it in ``DENSIFY_COUNT`` so tests can assert that
+no O(tokens·hidden) tensor was built on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._pytree import tree_map
+
+DENSIFY_COUNT = {"n": 0}
+
+
+@dataclass(eq=False)
+class KeepMeta:
+    """Kept-row indices of one micro-batch in one layout, shared by every layer's gradient."""
+
+    idx: torch.Tensor
+    """Flat row indices (ascending) into the [-1, h] view of the full tensor."""
+    num_rows: int
+    """Rows of the full tensor (s·b)."""
+    batch: int = 1
+    """b of the [s, b, h] layout the rows come from (row = pos·b + seq)."""
+    _cache: dict = field(default_factory=dict)
+
+    def per_sequence(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """[(seq, positions, which-compact-rows)] — computed once per micro-batch, reused by every layer."""
+        if "per_seq" not in self._cache:
+            out = []
+            seq = self.idx % self.batch
+            for j in range(self.batch):
+                sel = (seq == j).nonzero(as_tuple=True)[0]
+                out.append((j, self.idx[sel] // self.batch, sel))
+            self._cache["per_seq"] = out
+        return self._cache["per_seq"]
+
+    def derived(self, key: str, fn):
+        """Memoise per-micro-batch derived metadata (e.g. the SP shard split) across layers."""
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+
+class CompactGrad(torch.Tensor):
+    """A gradient of full shape whose only non-zero rows are ``rows`` at ``meta.idx``."""
+
+    rows: torch.Tensor
+    meta: KeepMeta
+
+    @staticmethod
+    def __new__(cls, rows: torch.Tensor, meta: KeepMeta, full_shape: torch.Size | tuple[int, ...]):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, full_shape, dtype=rows.dtype, device=rows.device, requires_grad=False
+        )
+        t.rows = rows
+        t.meta = meta
+        return t
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"CompactGrad(full={tuple(self.shape)}, rows={tuple(self.rows.shape)})"
+
+    def dense(self) -> torch.Tensor:
+        """Materialise the full gradient (zeros outside kept rows). Counted: call only at boundaries."""
+        DENSIFY_COUNT["n"] += 1
+        h = self.rows.shape[-1]
+        out = self.rows.new_zeros(self.meta.num_rows, h)
+        out.index_copy_(0, self.meta.idx, self.rows)
+        return out.view(self.shape)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func in (aten.add.Tensor, aten.add_.Tensor) and len(args) == 2:
+            a, b = args
+            if isinstance(a, CompactGrad) and isinstance(b, CompactGrad) and kwargs.get("alpha", 1) == 1:
+                if a.meta is b.meta or torch.equal(a.meta.idx, b.meta.idx):
+                    return CompactGrad(a.rows + b.rows, a.meta, a.shape)
+        if func in (aten.detach.default, aten.alias.default):
+            return CompactGrad(args[0].rows, args[0].meta, args[0].shape)
+
+        def unwrap(x):
+            return x.dense() if isinstance(x, CompactGrad) else x
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def is_compact(g: torch.Tensor | None) -> bool:
+    return isinstance(g, CompactGrad)
+
+
+def compact_like(rows: torch.Tensor, like: CompactGrad, full_shape) -> CompactGrad:
+    """A CompactGrad on another tensor of the same row layout (same kept rows)."""
+    return CompactGrad(rows, like.meta, full_shape)
+
+
+def rows_of(t: torch.Tensor, meta: KeepMeta) -> torch.Tensor:
+    """The kept rows of a saved full-size activation ``t`` (viewed as [-1, last])."""
+    return t.reshape(-1, t.shape[-1]).index_select(0, meta.idx)
+
+
+def to_dense(g: torch.Tensor) -> torch.Tensor:
+    return g.dense() if isinstance(g, CompactGrad) else g

@@ -1,0 +1,46 @@
+"""Gather a sharded model into full tensors (for export, tests and `ref score` on other layouts)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megasparse.parallel import state
+
+
+def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torch.Tensor:
+    """Inverse of the TP split: each partition was chunked over ranks separately along ``dim``."""
+    tp = len(shards)
+    per = [p // tp for p in partitions]
+    pieces = [s.split(per, dim=dim) for s in shards]
+    return torch.cat([torch.cat([pieces[r][i] for r in range(tp)], dim=dim) for i in range(len(partitions))], dim=dim)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters of the whole model, on every rank, keyed by global layer names."""
+    lay = state.layout()
+    local: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        spec = getattr(p, "tp_spec", None)
+        if spec is not None and lay.tp > 1:
+            parts = [torch.empty_like(t) for _ in range(lay.tp)]
+            dist.all_gather(parts, t.contiguous(), group=state.tp_group())
+            t = unshard(parts, spec[0], spec[1])
+        local[_global_name(model, name)] = t.cpu()
+    if lay.pp == 1:
+        return local
+    gathered: list[dict] = [None] * lay.pp  # type: ignore[list-item]
+    dist.all_gather_object(gathered, local, group=state.pp_group())
+    out: dict[str, torch.Tensor] = {}
+    for d in gathered:
+        out.update(d)
+    return out
+
+
+def _global_name(model, name: str) -> str:
+    # Stage-local "layers.<i>." becomes the global layer index.
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        return f"layers.{model.layer_ids[int(i)]}.{rest}"
+    return name

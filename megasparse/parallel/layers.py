@@ -1,0 +1,267 @@
+"""Tensor- and sequence-parallel building blocks: column/row-parallel linear, vocab-parallel embedding.
+
+Each layer's autograd Function owns its TP/SP communication so that the backward can (a) overlap
+the input-gradient collective with the weight-gradient GEMM, as Megatron does, and (b) run on
+compact gradients (token filtering): then the GEMMs and the collectives carry only kept rows.
+Parameters are fp32 masters; compute runs in ``compute_dtype`` (bf16 on GPU), and weight
+gradients are returned in fp32.
+
+Layouts: activations are [s, b, h] (s-major). With sequence parallelism a TP-region input is
+all-gathered along s and a TP-region output reduce-scattered along s.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from megasparse.ops.compact import CompactGrad, rows_of
+from megasparse.parallel import comm, rows, state
+
+
+class DenseGemm:
+    """The three GEMMs of a linear layer; the 2:4 sparse FFN swaps in its own."""
+
+    def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x2d @ w.t()
+
+    def dgrad(self, g2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return g2d @ w
+
+    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        return g2d.t() @ x2d
+
+
+DENSE = DenseGemm()
+
+
+def seeded_full_init(name: str, shape: tuple[int, ...], std: float, seed: int, device) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter ``name``: identical for every layout."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
+
+
+def padded_vocab_init(name: str, vocab: int, vocab_padded: int, hidden: int, std: float, seed: int, device):
+    """Vocabulary matrix whose real rows do not depend on the padding (so every TP size starts equal)."""
+    full = torch.zeros(vocab_padded, hidden, device=device)
+    full[:vocab] = seeded_full_init(name, (vocab, hidden), std, seed, device)
+    return full
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class ColumnParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, sp: bool, dtype, gemm, name: str):
+        group = state.tp_group()
+        total = comm.all_gather(x, group, "tp", dim=0, region=f"{name}.sp_gather") if sp else x
+        w = weight.to(dtype)
+        y = gemm.fwd(_flat(total), w).view(*total.shape[:-1], w.shape[0])
+        ctx.save_for_backward(total, w)
+        ctx.cfg = (sp, gemm, name, x.shape, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        total, w = ctx.saved_tensors
+        sp, gemm, name, x_shape, wdtype = ctx.cfg
+        lay = state.layout()
+        group = state.tp_group()
+        region = f"{name}.dgrad"
+        if isinstance(g, CompactGrad):
+            meta = g.meta
+            dx = gemm.dgrad(g.rows, w)
+            if sp:
+                dx, local = rows.reduce_scatter_rows(dx, meta, group, lay.tp, lay.tp_rank, region)
+                dw = gemm.wgrad(g.rows, rows_of(total, meta))
+                return CompactGrad(dx, local, x_shape), dw.to(wdtype), None, None, None, None
+            work = comm.all_reduce(dx, group, "tp", region=region, async_op=True)
+            dw = gemm.wgrad(g.rows, rows_of(total, meta))
+            if work is not None:
+                work.wait()
+            return CompactGrad(dx, meta, x_shape), dw.to(wdtype), None, None, None, None
+        g2 = _flat(g)
+        dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
+        if sp:
+            dx = comm.reduce_scatter(dx, group, "tp", region=region)
+            work = None
+        else:
+            work = comm.all_reduce(dx, group, "tp", region=region, async_op=True)
+        dw = gemm.wgrad(g2, _flat(total))
+        if work is not None:
+            work.wait()
+        return dx, dw.to(wdtype), None, None, None, None
+
+
+class RowParallelLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, sp: bool, dtype, gemm, name: str):
+        group = state.tp_group()
+        w = weight.to(dtype)
+        y = gemm.fwd(_flat(x), w).view(*x.shape[:-1], w.shape[0])
+        if sp:
+            y = comm.reduce_scatter(y, group, "tp", region=f"{name}.sp_scatter")
+        else:
+            comm.all_reduce(y, group, "tp", region=f"{name}.out")
+        ctx.save_for_backward(x, w)
+        ctx.cfg = (sp, gemm, name, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        sp, gemm, name, wdtype = ctx.cfg
+        lay = state.layout()
+        group = state.tp_group()
+        if isinstance(g, CompactGrad):
+            gr, meta = g.rows, g.meta
+            if sp:
+                gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, f"{name}.sp_gather")
+            dx = gemm.dgrad(gr, w)
+            dw = gemm.wgrad(gr, rows_of(x, meta))
+            return CompactGrad(dx, meta, x.shape), dw.to(wdtype), None, None, None, None
+        if sp:
+            g = comm.all_gather(g, group, "tp", dim=0, region=f"{name}.sp_gather")
+        g2 = _flat(g)
+        dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
+        dw = gemm.wgrad(g2, _flat(x))
+        return dx, dw.to(wdtype), None, None, None, None
+
+
+class VocabEmbeddingFn(torch.autograd.Function):
+    """Lookup of this rank's vocabulary slice, then the TP reduction (reduce-scatter under SP)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, vocab_start: int, sp: bool, dtype):
+        group = state.tp_group()
+        local = ids - vocab_start
+        valid = (local >= 0) & (local < weight.shape[0])
+        local = torch.where(valid, local, torch.zeros_like(local))
+        out = weight.to(dtype)[local] * valid.unsqueeze(-1).to(dtype)
+        if sp:
+            out = comm.reduce_scatter(out, group, "tp", region="embedding.sp_scatter")
+        else:
+            comm.all_reduce(out, group, "tp", region="embedding.out")
+        ctx.save_for_backward(local, valid)
+        ctx.cfg = (sp, weight.shape, weight.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        local, valid = ctx.saved_tensors
+        sp, wshape, wdtype = ctx.cfg
+        lay = state.layout()
+        group = state.tp_group()
+        dw = torch.zeros(wshape, dtype=torch.float32, device=local.device)
+        if isinstance(g, CompactGrad):
+            gr, meta = g.rows, g.meta
+            if sp:
+                gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, "embedding.sp_gather")
+            ids = local.reshape(-1).index_select(0, meta.idx)
+            ok = valid.reshape(-1).index_select(0, meta.idx)
+            dw.index_add_(0, ids[ok], gr[ok].float())
+        else:
+            if sp:
+                g = comm.all_gather(g, group, "tp", dim=0, region="embedding.sp_gather")
+            ok = valid.reshape(-1)
+            dw.index_add_(0, local.reshape(-1)[ok], _flat(g)[ok].float())
+        return None, dw.to(wdtype), None, None, None
+
+
+class _ParallelBase(nn.Module):
+    def __init__(self, name: str, sequence_parallel: bool, compute_dtype: torch.dtype):
+        super().__init__()
+        self.pname = name
+        self.sequence_parallel = sequence_parallel
+        self.compute_dtype = compute_dtype
+        self.gemm = DENSE
+
+
+class ColumnParallelLinear(_ParallelBase):
+    """Y = X·Wᵀ with W's rows split over TP ranks; ``partitions`` are sharded separately (e.g. q|k|v)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        partitions: list[int],
+        *,
+        name: str,
+        init_std: float,
+        seed: int,
+        device,
+        sequence_parallel: bool = False,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__(name, sequence_parallel, compute_dtype)
+        lay = state.layout()
+        shards = []
+        for i, size in enumerate(partitions):
+            full = seeded_full_init(f"{name}.part{i}", (size, in_features), init_std, seed, device)
+            shards.append(full.chunk(lay.tp, dim=0)[lay.tp_rank])
+        self.weight = nn.Parameter(torch.cat(shards, dim=0))
+        self.weight.tp_spec = (0, list(partitions))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ColumnParallelLinearFn.apply(
+            x, self.weight, self.sequence_parallel, self.compute_dtype, self.gemm, self.pname
+        )
+
+
+class RowParallelLinear(_ParallelBase):
+    """Y = X·Wᵀ with W's columns split over TP ranks; the partial outputs are summed (or reduce-scattered)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        name: str,
+        init_std: float,
+        seed: int,
+        device,
+        sequence_parallel: bool = False,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__(name, sequence_parallel, compute_dtype)
+        lay = state.layout()
+        full = seeded_full_init(name, (out_features, in_features), init_std, seed, device)
+        self.weight = nn.Parameter(full.chunk(lay.tp, dim=1)[lay.tp_rank].contiguous())
+        self.weight.tp_spec = (1, [in_features])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return RowParallelLinearFn.apply(
+            x, self.weight, self.sequence_parallel, self.compute_dtype, self.gemm, self.pname
+        )
+
+
+class VocabParallelEmbedding(_ParallelBase):
+    """Input embedding with the (padded) vocabulary split over TP ranks."""
+
+    def __init__(
+        self,
+        vocab_padded: int,
+        hidden: int,
+        *,
+        name: str,
+        init_std: float,
+        seed: int,
+        device,
+        vocab_size: int,
+        sequence_parallel: bool = False,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__(name, sequence_parallel, compute_dtype)
+        lay = state.layout()
+        full = padded_vocab_init(name, vocab_size, vocab_padded, hidden, init_std, seed, device)
+        self.per_rank = vocab_padded // lay.tp
+        self.vocab_start = lay.tp_rank * self.per_rank
+        self.weight = nn.Parameter(full[self.vocab_start : self.vocab_start + self.per_rank].contiguous())
+        self.weight.tp_spec = (0, [vocab_padded])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return VocabEmbeddingFn.apply(ids, self.weight, self.vocab_start, self.sequence_parallel, self.compute_dtype)

@@ -1,0 +1,181 @@
+"""Pipeline parallelism: P2P between stages and a 1F1B schedule that runs under gloo and NCCL.
+
+Forward sends are dense activations of a static shape. Backward sends are either dense gradients or,
+with token filtering, compact ones: the kept rows plus their indices. The indices are the global
+(TP-region) kept rows of the micro-batch, whose count ``k`` every stage knows ahead from the
+config; under sequence parallelism each TP rank then derives its own shard's row count from them,
+so a receiver needs no shape exchange. Per-micro-batch filter state therefore travels with the
+gradient and each stage keeps nothing but its saved activations, in schedule order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megasparse.ops.compact import CompactGrad, KeepMeta
+from megasparse.parallel import comm, rows, state
+
+
+class _Catch(torch.autograd.Function):
+    """Identity whose backward stores the incoming gradient (dense or compact) for the P2P send."""
+
+    @staticmethod
+    def forward(ctx, x, holder: dict):
+        ctx.holder = holder
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.holder["grad"] = g
+        return None, None
+
+
+@dataclass
+class P2PSpec:
+    act_shape: tuple[int, ...]
+    """Activation shape sent between stages ([s(/tp), b, h])."""
+    dtype: torch.dtype
+    device: torch.device
+    kept_rows: Callable[[], int] | None = None
+    """Global kept-row count per micro-batch when the backward is compact (None: dense)."""
+    batch: int = 1
+    """b of the activation layout (for the kept-row metadata)."""
+
+
+class StageComm:
+    """Sends and receives for one pipeline stage."""
+
+    def __init__(self, spec: P2PSpec):
+        self.spec = spec
+        lay = state.layout()
+        self.lay = lay
+        self.group = state.pp_group()
+        self.next = state.pp_next_rank() if not lay.is_last_stage else None
+        self.prev = state.pp_prev_rank() if not lay.is_first_stage else None
+
+    def _act(self) -> torch.Tensor:
+        return torch.empty(self.spec.act_shape, dtype=self.spec.dtype, device=self.spec.device)
+
+    def _grad_ops(self, g: torch.Tensor) -> list:
+        if isinstance(g, CompactGrad):
+            meta = g.meta
+            gmeta = meta._cache.get("sp_global", meta) if self.lay.sequence_parallel else meta
+            return [("send", gmeta.idx, self.prev), ("send", g.rows.contiguous(), self.prev)]
+        return [("send", g.contiguous(), self.prev)]
+
+    def _recv_grad_phase1(self) -> tuple[list, torch.Tensor]:
+        if self.spec.kept_rows is None:
+            buf = self._act()
+        else:
+            buf = torch.empty(self.spec.kept_rows(), dtype=torch.long, device=self.spec.device)
+        return [("recv", buf, self.next)], buf
+
+    def _recv_grad_phase2(self, buf: torch.Tensor) -> torch.Tensor:
+        if self.spec.kept_rows is None:
+            return buf
+        s_local, b, h = self.spec.act_shape
+        tp = self.lay.tp if self.lay.sequence_parallel else 1
+        gmeta = KeepMeta(buf, s_local * b * tp, b)
+        meta = gmeta
+        if tp > 1:
+            meta, _ = rows.sp_split(gmeta, tp, self.lay.tp_rank)
+        r = torch.empty(meta.idx.numel(), h, dtype=self.spec.dtype, device=self.spec.device)
+        comm.p2p([("recv", r, self.next)], self.group)
+        return CompactGrad(r, meta, self.spec.act_shape)
+
+    # -- the four transfers (and the two fused ones of the steady state) ------------------------
+    def recv_forward(self) -> torch.Tensor | None:
+        if self.prev is None:
+            return None
+        t = self._act()
+        comm.p2p([("recv", t, self.prev)], self.group)
+        return t
+
+    def send_forward(self, y: torch.Tensor) -> None:
+        if self.next is not None:
+            comm.p2p([("send", y.contiguous(), self.next)], self.group)
+
+    def recv_backward(self) -> torch.Tensor | None:
+        if self.next is None:
+            return None
+        ops, buf = self._recv_grad_phase1()
+        comm.p2p(ops, self.group)
+        return self._recv_grad_phase2(buf)
+
+    def send_backward(self, g: torch.Tensor | None) -> None:
+        if self.prev is not None:
+            comm.p2p(self._grad_ops(g), self.group)
+
+    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor | None:
+        if self.next is None:
+            return None
+        ops, buf = self._recv_grad_phase1()
+        comm.p2p([("send", y.contiguous(), self.next)] + ops, self.group)
+        return self._recv_grad_phase2(buf)
+
+    def send_backward_recv_forward(self, g: torch.Tensor | None) -> torch.Tensor | None:
+        if self.prev is None:
+            return None
+        t = self._act()
+        comm.p2p(self._grad_ops(g) + [("recv", t, self.prev)], self.group)
+        return t
+
+
+def one_f_one_b(
+    num_mb: int,
+    p2p: StageComm,
+    forward_step: Callable[[int, torch.Tensor | None], torch.Tensor],
+    backward_step: Callable[[int, torch.Tensor, torch.Tensor | None], None],
+) -> None:
+    """Non-interleaved 1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+
+    ``forward_step(i, input)`` returns the stage output (the scalar loss on the last stage);
+    ``backward_step(i, output, grad)`` runs autograd from it. The input gradient that goes upstream
+    is caught at the stage entry, so compact gradients never reach a leaf.
+    """
+    lay = state.layout()
+    warmup = min(lay.pp - lay.pp_rank - 1, num_mb)
+    holders: list[dict] = [{} for _ in range(num_mb)]
+    outputs: dict[int, torch.Tensor] = {}
+
+    def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
+        if x is not None:
+            x = _Catch.apply(x.requires_grad_(), holders[i])
+        out = forward_step(i, x)
+        outputs[i] = out
+        return out
+
+    def bwd(i: int, g: torch.Tensor | None):
+        with comm.phase("backward"):
+            backward_step(i, outputs.pop(i), g)
+        return holders[i].pop("grad", None)
+
+    fi = bi = 0
+    for _ in range(warmup):
+        y = fwd(fi, p2p.recv_forward())
+        p2p.send_forward(y)
+        fi += 1
+    x = p2p.recv_forward() if num_mb > warmup else None
+    for step in range(num_mb - warmup):
+        y = fwd(fi, x)
+        fi += 1
+        g = p2p.send_forward_recv_backward(y) if not lay.is_last_stage else None
+        gin = bwd(bi, g)
+        bi += 1
+        if step == num_mb - warmup - 1:
+            x = None
+            with comm.phase("backward"):
+                p2p.send_backward(gin)
+        else:
+            with comm.phase("backward"):
+                x = p2p.send_backward_recv_forward(gin)
+    for _ in range(warmup):
+        with comm.phase("backward"):
+            g = p2p.recv_backward()
+        gin = bwd(bi, g)
+        bi += 1
+        with comm.phase("backward"):
+            p2p.send_backward(gin)

@@ -1,0 +1,348 @@
+"""The trainer: ``megasparse train CONFIG.yaml [section.key=value ...]`` (also under torchrun / Slurm).
+
+Order of business: load and validate the whole config against the world size (before any process
+group exists), build the data, create the groups, build this rank's pipeline stage, then run
+steps of 1F1B over micro-batches, reduce gradients over DP (and the SP-replicated norms over TP),
+clip, step AdamW with warmup + cosine, log, evaluate and checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megasparse import checkpoint as ckpt
+from megasparse.config import Config, ConfigError, dump_config, load_config
+from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_mem_gib, peak_tflops
+from megasparse.model.gpt import GPTStage
+from megasparse.parallel import comm, state
+from megasparse.parallel.pipeline import P2PSpec, StageComm, one_f_one_b
+from megasparse.parallel.vocab_ce import KeepHolder
+
+
+def log0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------- data
+class SyntheticData:
+    """Seeded random tokens (``data.prefix: synthetic``) for tests and benchmarks that need no corpus."""
+
+    def __init__(self, vocab: int, seq: int, seed: int, n: int = 4096):
+        self.vocab, self.seq, self.seed, self.n = vocab, seq, seed, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def global_sample(self, g: int, seed: int | None = None) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + g)
+        return torch.randint(0, self.vocab, (self.seq + 1,), generator=gen)
+
+
+def _iterate(ds, micro: int, dp_rank: int, dp: int, start: int):
+    g = start + dp_rank * micro
+    while True:
+        yield torch.stack([ds.global_sample(g + j) for j in range(micro)])
+        g += micro * dp
+
+
+def build_data(cfg: Config):
+    """(train, valid, vocab_size) — vocab from the tokenizer unless model.vocab_size is set."""
+    if cfg.data.prefix == "synthetic":
+        if cfg.model.vocab_size is None:
+            raise ConfigError("data.prefix=synthetic needs model.vocab_size")
+        v = cfg.model.vocab_size
+        return (
+            SyntheticData(v, cfg.model.seq_length, cfg.data.seed),
+            SyntheticData(v, cfg.model.seq_length, cfg.data.seed + 1, n=256),
+            v,
+        )
+    from megasparse.data.dataset import build_datasets
+
+    train, valid, info = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
+    return train, valid, cfg.model.vocab_size or info.vocab_size
+
+
+# ---------------------------------------------------------------------------------------- trainer
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """One rank's view of a run. ``Trainer(cfg).fit()`` or step by step with ``train_step()``."""
+
+    def __init__(self, cfg: Config, init_groups: bool = True):
+        self.cfg = cfg
+        world = state.world_env()[1]
+        self.dp = cfg.validate(world)
+        self.train_ds, self.valid_ds, self.vocab = build_data(cfg)
+        if init_groups:
+            state.init(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel, cfg.parallel.backend)
+        self.lay = state.layout()
+        dev = cfg.train.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+        dt = cfg.train.dtype
+        if dt == "auto":
+            dt = "bf16" if self.device.type == "cuda" else "fp32"
+        self.compute_dtype = torch.bfloat16 if dt == "bf16" else torch.float32
+        if cfg.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.vocab_padded = cfg.padded_vocab(self.vocab)
+        m = cfg.model
+        self.model = GPTStage(
+            m,
+            cfg.parallel.stage_layers(m.num_layers),
+            self.vocab,
+            self.vocab_padded,
+            seed=cfg.train.seed,
+            device=self.device,
+            compute_dtype=self.compute_dtype,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+        )
+        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            foreach=self.device.type == "cuda",
+        )
+        self.num_mb = cfg.num_microbatches(self.dp)
+        s_local = m.seq_length // (self.lay.tp if cfg.parallel.sequence_parallel else 1)
+        self.act_shape = (s_local, cfg.train.micro_batch_size, m.hidden_size)
+        self.p2p = StageComm(P2PSpec(self.act_shape, self.compute_dtype, self.device, None, cfg.train.micro_batch_size))
+        self.step = 0
+        self.consumed = 0
+        self.flops_tok = flops_per_token(m, self.vocab_padded)
+        self.peak = peak_tflops(self.device)
+        self.out_dir = Path(cfg.logging.out_dir)
+
+    # -- batches ---------------------------------------------------------------------------------
+    def _microbatches(self, ds, start: int, count: int) -> list[torch.Tensor]:
+        it = _iterate(ds, self.cfg.train.micro_batch_size, self.lay.dp_rank, self.dp, start)
+        return [next(it).to(self.device) for _ in range(count)]
+
+    # -- one optimizer step ---------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        o, total = self.cfg.optim, self.cfg.train.steps
+        if o.warmup_steps and step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+        return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+    def _forward_backward(self, batches: list[torch.Tensor], train: bool) -> tuple[float, int]:
+        """Run the pipeline over ``batches``; returns (sum of per-token losses on this rank, tokens)."""
+        tokens_per_mb = self.cfg.train.micro_batch_size * self.cfg.model.seq_length
+        global_tokens = tokens_per_mb * self.num_mb * self.dp
+        acc = {"loss": torch.zeros((), dtype=torch.float64, device=self.device)}
+
+        def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
+            tok = batches[i]
+            ids = tok[:, :-1].t().contiguous()
+            targets = tok[:, 1:].t().reshape(-1)
+            out = self.model(ids if self.lay.is_first_stage else x, targets, KeepHolder())
+            if not self.lay.is_last_stage:
+                return out
+            acc["loss"] += out.detach().double().sum()
+            return out.sum() / global_tokens
+
+        def backward_step(i: int, out: torch.Tensor, g: torch.Tensor | None) -> None:
+            if g is None:
+                out.backward()
+            else:
+                torch.autograd.backward(out, g)
+
+        if train:
+            one_f_one_b(len(batches), self.p2p, forward_step, backward_step)
+        else:
+            with torch.no_grad():
+                for i in range(len(batches)):
+                    x = self.p2p.recv_forward()
+                    y = forward_step(i, x)
+                    if not self.lay.is_last_stage:
+                        self.p2p.send_forward(y)
+        return acc["loss"], tokens_per_mb * len(batches)
+
+    def _global_mean(self, loss_sum: torch.Tensor, tokens: int) -> float:
+        """Mean loss over every DP rank's tokens, known on every rank (sent from the last stage)."""
+        t = torch.stack([loss_sum.double(), torch.tensor(float(tokens), dtype=torch.float64, device=self.device)])
+        if not self.lay.is_last_stage:
+            t.zero_()
+        with comm.phase("metrics"):
+            comm.all_reduce(t, None, "world", region="metrics.loss")
+        return (t[0] / t[1]).item()
+
+    def _reduce_grads(self) -> None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        with comm.phase("optim"):
+            if self.cfg.parallel.sequence_parallel and self.lay.tp > 1:
+                sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+                if sp:
+                    flat = torch.cat([g.reshape(-1) for g in sp])
+                    comm.all_reduce(flat, state.tp_group(), "tp", region="grads.sp_norms")
+                    for g, v in zip(sp, torch._utils._unflatten_dense_tensors(flat, sp)):
+                        g.copy_(v)
+            if self.dp > 1:
+                grads = [p.grad for p in params]
+                flat = torch._utils._flatten_dense_tensors(grads)
+                comm.all_reduce(flat, state.dp_group(), "dp", region="grads.dp")
+                for g, v in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(v)
+
+    def _grad_norm(self) -> float:
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            if self.model.param_is_sharded(name) or self.lay.tp_rank == 0:
+                sq += p.grad.double().pow(2).sum()
+        with comm.phase("optim"):
+            comm.all_reduce(sq, state.mp_group(), "mp", region="grads.norm")
+        return math.sqrt(sq.item())
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        lr = self.lr_at(self.step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = self._microbatches(self.train_ds, self.consumed, self.num_mb)
+        loss_sum, tokens = self._forward_backward(batches, train=True)
+        self._reduce_grads()
+        gnorm = self._grad_norm()
+        clip = self.cfg.optim.grad_clip
+        if clip > 0 and gnorm > clip:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(clip / (gnorm + 1e-6))
+        self.optimizer.step()
+        loss = self._global_mean(loss_sum, tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.step += 1
+        self.consumed += self.cfg.train.global_batch_size
+        return StepResult(loss, gnorm, lr, tokens, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        n = self.cfg.train.eval_batches * self.num_mb
+        batches = self._microbatches(self.valid_ds, 0, n)
+        loss_sum, tokens = self._forward_backward(batches, train=False)
+        return self._global_mean(loss_sum, tokens)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _extra(self) -> dict:
+        return {"step": torch.tensor(self.step), "consumed": torch.tensor(self.consumed)}
+
+    def save(self) -> Path:
+        return ckpt.save(
+            self.out_dir / "checkpoints",
+            self.step,
+            self.model,
+            self.optimizer,
+            self._extra(),
+            self.cfg.checkpoint.keep_last,
+        )
+
+    def resume(self, path: str) -> None:
+        where = ckpt.resolve_resume(path)
+        extra = ckpt.load(where, self.model, self.optimizer, self._extra())
+        self.step, self.consumed = int(extra["step"]), int(extra["consumed"])
+        log0(f"resumed from {where} at step {self.step}")
+
+    # -- the loop -------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        cfg = self.cfg
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if cfg.checkpoint.resume:
+            self.resume(cfg.checkpoint.resume)
+        if rank0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.out_dir / "config.yaml")
+        log = MetricsLog(str(self.out_dir), rank0, resume=bool(cfg.checkpoint.resume))
+        n_world = dist.get_world_size() if dist.is_initialized() else 1
+        log0(
+            f"megasparse: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, vocab {self.vocab} "
+            f"(padded {self.vocab_padded}) | world {n_world} = tp {self.lay.tp} x pp {self.lay.pp} x dp {self.dp}"
+            f"{' +SP' if cfg.parallel.sequence_parallel else ''} | {self.num_mb} micro-batches/step | "
+            f"{self.device.type} {str(self.compute_dtype).replace('torch.', '')}"
+        )
+        history = []
+        while self.step < cfg.train.steps:
+            r = self.train_step()
+            tok_s = r.tokens * self.dp / r.seconds / n_world  # global tokens over all GPUs, per GPU
+            tflops = tok_s * self.flops_tok / 1e12
+            rec = {
+                "step": self.step,
+                "loss": r.loss,
+                "grad_norm": r.grad_norm,
+                "lr": r.lr,
+                "tokens_per_s": tok_s,
+                "tflops_per_gpu": tflops,
+                "mfu": tflops / self.peak if self.peak else None,
+                "mem_gib": peak_mem_gib(self.device),
+                "step_time_s": r.seconds,
+            }
+            rec.update(r.extra)
+            if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps):
+                rec["val_loss"] = self.evaluate()
+            history.append(rec)
+            log.write(rec)
+            if self.step % cfg.logging.log_interval == 0 or self.step == cfg.train.steps:
+                log0(format_line(rec))
+            si = cfg.checkpoint.save_interval
+            if (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end):
+                where = self.save()
+                log0(f"saved checkpoint {where}")
+        log.close()
+        return history
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    p = argparse.ArgumentParser(prog="megasparse train", description="Train a model.")
+    p.add_argument("config", nargs="?", help="YAML config (configs/*.yaml); omitted: built-in defaults")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 parallel.tp=2")
+    a = p.parse_args(argv)
+    cfg = a.config
+    overrides = list(a.overrides)
+    if cfg is not None and "=" in cfg and not cfg.endswith((".yaml", ".yml")):
+        overrides.insert(0, cfg)
+        cfg = None
+    return cfg, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg_path, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        cfg = load_config(cfg_path, overrides)
+        trainer = Trainer(cfg)
+        trainer.fit()
+    except ConfigError as e:
+        print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            state.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
