@@ -24,6 +24,8 @@ class SparsityConfig:
     """MVUE-prune output gradients (2:4 along tokens) for the weight-gradient GEMM."""
     backend: str = "auto"
     """auto (cuSPARSELt on GPU when faster, else emulation), cusparselt, or emulate (masked dense)."""
+    monitor_only: bool = False
+    """Train dense but compute masks and flip rates (the dense reference of `sparsity decay-search`)."""
 
     def validate(self) -> None:
         if self.refresh_interval < 1:

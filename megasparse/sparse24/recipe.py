@@ -1,0 +1,132 @@
+"""The sparse-training recipe around the FFN weights: masks, masked decay, refresh cadence,
+flip rate, dense fine-tuning and checkpointable state.
+
+Step protocol for the trainer (one optimizer step):
+
+    loss.backward()                      # sparse24_linear with manager.state(name)
+    manager.apply_masked_decay()         # before the optimizer
+    optimizer.step()
+    metrics.update(manager.after_step(step))   # step = number of completed optimizer steps
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megasparse.sparse24.config import SparsityConfig
+from megasparse.sparse24.linear import Sparse24Weight
+from megasparse.sparse24.masks import check_mask_shape, transposable_mask
+
+
+class SparsityManager:
+    """One Sparse24Weight per FFN weight (shard); each TP shard computes its own mask on its own shard.
+
+    ``named_weights`` are the local tensors of the sparse linears (fc1 column-parallel [2f/tp, h], fc2
+    row-parallel [h, f/tp]). Flip rate of a layer at a mask refresh: the fraction of its mask entries that
+    differ from the mask installed at the previous refresh, |M_new − M_old|₁ / numel, i.e. the paper's r_t
+    measured over ``refresh_interval`` optimizer steps (equal to the paper's per-step r_t when the interval
+    is 1). ``after_step`` also reports ``all``: the element-weighted rate over every sparse weight.
+    """
+
+    def __init__(self, named_weights: dict[str, torch.nn.Parameter], cfg: SparsityConfig, total_steps: int):
+        cfg.validate()
+        self.cfg = cfg
+        self.weights = dict(named_weights)
+        self.total_steps = int(total_steps)
+        self.switch_step = int(round(self.total_steps * (1.0 - cfg.dense_finetune_fraction)))
+        """First completed-step count at which training runs dense."""
+        self.step = 0
+        self.dense = False
+        self.masks: dict[str, torch.Tensor] = {}
+        self._states: dict[str, Sparse24Weight] = {}
+        for name, w in self.weights.items():
+            check_mask_shape(w.shape, name)
+            self.masks[name] = transposable_mask(w.detach())
+            if not cfg.monitor_only:
+                self._states[name] = Sparse24Weight(w, self.masks[name], backend=cfg.backend, name=name)
+        if self.switch_step <= 0:
+            self._go_dense()
+
+    # -- queries ---------------------------------------------------------------------------------------------------
+    def state(self, name: str) -> Sparse24Weight | None:
+        """The layer's Sparse24Weight, or None when it runs dense (fine-tuning phase or monitor-only)."""
+        return None if self.dense else self._states.get(name)
+
+    @property
+    def sparse(self) -> bool:
+        return not self.dense and not self.cfg.monitor_only
+
+    # -- per step --------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_masked_decay(self) -> None:
+        """grad += λ·(¬M ⊙ W) for every sparse weight (into ``main_grad`` when the optimizer uses one)."""
+        if not self.sparse or self.cfg.decay == 0.0:
+            return
+        for name, w in self.weights.items():
+            g = getattr(w, "main_grad", None)
+            if g is None:
+                if w.grad is None:
+                    w.grad = torch.zeros_like(w)
+                g = w.grad
+            g.add_(w.detach().masked_fill(self.masks[name], 0).to(g.dtype), alpha=self.cfg.decay)
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> dict[str, float]:
+        """Call after optimizer step number ``step`` (1-based). Returns flip rates on mask-refresh steps, else {}."""
+        self.step = int(step)
+        if self.dense:
+            return {}
+        if self.step >= self.switch_step:
+            self._go_dense()
+            return {}
+        if self.step % self.cfg.refresh_interval == 0:
+            return self._refresh_masks()
+        for name, st in self._states.items():
+            st.refresh(self.weights[name])
+        return {}
+
+    def _refresh_masks(self) -> dict[str, float]:
+        rates: dict[str, float] = {}
+        flipped = total = 0
+        for name, w in self.weights.items():
+            new = transposable_mask(w.detach())
+            diff = int((new != self.masks[name]).sum())
+            rates[name] = diff / new.numel()
+            flipped += diff
+            total += new.numel()
+            self.masks[name] = new
+            st = self._states.get(name)
+            if st is not None:
+                st.set_mask(new)
+                st.refresh(w)
+        rates["all"] = flipped / max(total, 1)
+        return rates
+
+    def _go_dense(self) -> None:
+        self.dense = True
+        self._states.clear()
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "dense": self.dense,
+            "masks": {k: v.detach().cpu().clone() for k, v in self.masks.items()},
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = int(sd["step"])
+        missing = set(self.weights) - set(sd["masks"])
+        if missing:
+            raise KeyError(f"sparsity state has no mask for {sorted(missing)}")
+        for name, w in self.weights.items():
+            m = sd["masks"][name].to(device=w.device, dtype=torch.bool)
+            if tuple(m.shape) != tuple(w.shape):
+                raise ValueError(f"sparsity: saved mask for {name} is {list(m.shape)}, weight is {list(w.shape)}")
+            self.masks[name] = m
+            st = self._states.get(name)
+            if st is not None:
+                st.set_mask(m)
+                st.refresh(w)
+        if sd["dense"]:
+            self._go_dense()
