@@ -205,6 +205,7 @@ def p2p(ops: list[tuple[str, torch.Tensor, int]], group, group_name: str = "pp",
         return
     rec = _recorder()
     t0 = _t0(ops[0][1]) if rec is not None else None
+    n0 = len(rec.records) if rec is not None else 0
     if ops[0][1].is_cuda:
         p2p_ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops]
         for w in dist.batch_isend_irecv(p2p_ops):
@@ -219,5 +220,7 @@ def p2p(ops: list[tuple[str, torch.Tensor, int]], group, group_name: str = "pp",
     for kind, t, _ in ops:
         if kind == "send":
             _record("send", group_name, t, region, None)
-    if t0 is not None and rec is not None and rec.records:
+    if t0 is not None and rec is not None and len(rec.records) > n0:
+        # the batch's time goes on its own last send (a receive-only batch has no record to carry it)
+        torch.cuda.synchronize(ops[0][1].device)
         rec.records[-1].duration_ms = (time.perf_counter() - t0) * 1e3
