@@ -84,6 +84,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{path}: expected a number, got {value!r}") from e
     if tp is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on/no/yes as a bool
+            return "on" if value else "off"
         if not isinstance(value, (str, int, float)):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
         return str(value)

@@ -22,6 +22,7 @@ from megasparse import checkpoint as ckpt
 from megasparse.config import Config, ConfigError, dump_config, load_config
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_mem_gib, peak_tflops
 from megasparse.model.gpt import GPTStage
+from megasparse.ops.compact import KeepMeta
 from megasparse.parallel import comm, state
 from megasparse.parallel.pipeline import P2PSpec, StageComm, one_f_one_b
 from megasparse.parallel.vocab_ce import KeepHolder
@@ -128,12 +129,58 @@ class Trainer:
         self.num_mb = cfg.num_microbatches(self.dp)
         s_local = m.seq_length // (self.lay.tp if cfg.parallel.sequence_parallel else 1)
         self.act_shape = (s_local, cfg.train.micro_batch_size, m.hidden_size)
-        self.p2p = StageComm(P2PSpec(self.act_shape, self.compute_dtype, self.device, None, cfg.train.micro_batch_size))
+        f = cfg.filter
+        self.collider = f.mode == "collider"
+        self.sp_size = self.lay.tp if cfg.parallel.sequence_parallel else 1
+        self.kept_rows = self._kept_rows() if f.mode != "off" else 0
+        self.reference = self._build_reference() if f.mode != "off" and f.scorer == "excess" else None
+        kept = (lambda: self.kept_rows) if self.collider else None
+        self.p2p = StageComm(P2PSpec(self.act_shape, self.compute_dtype, self.device, kept, cfg.train.micro_batch_size))
         self.step = 0
         self.consumed = 0
         self.flops_tok = flops_per_token(m, self.vocab_padded)
         self.peak = peak_tflops(self.device)
         self.out_dir = Path(cfg.logging.out_dir)
+
+    # -- token filtering ---------------------------------------------------------------------------
+    def _kept_rows(self) -> int:
+        """Kept tokens per micro-batch: static, so compact P2P buffers are sized ahead (no shape exchange)."""
+        from megasparse.filtering.selection import kept_count
+
+        s, b, f = self.cfg.model.seq_length, self.cfg.train.micro_batch_size, self.cfg.filter
+        if f.granularity == "sequence":
+            return b * kept_count(s, f.keep_ratio)
+        if f.granularity == "shard":
+            return self.sp_size * kept_count(s // self.sp_size * b, f.keep_ratio)
+        return kept_count(s * b, f.keep_ratio)
+
+    def _build_reference(self):
+        if not self.lay.is_last_stage:
+            return None
+        f = self.cfg.filter
+        if f.reference == "model":
+            raise ConfigError("filter.reference=model is not wired into the trainer yet; use ngram or sidecar")
+        from megasparse.filtering.reference import ReferenceLosses
+
+        prefix = getattr(self.train_ds, "prefix", None)
+        return ReferenceLosses.from_config(f, self.cfg.data.ref_losses, prefix)
+
+    def _select(self, per_tok: torch.Tensor, tok: torch.Tensor, mb_index: int):
+        """Selection on the last stage: identical on every TP rank (same losses, deterministic ties)."""
+        from megasparse.filtering.selection import score_tokens, select_tokens
+
+        f = self.cfg.filter
+        s, b = tok.shape[1] - 1, tok.shape[0]
+        loss2d = per_tok.detach().view(s, b)
+        ref = gen = None
+        if f.scorer == "excess":
+            ids, labels = tok[:, :-1].t(), tok[:, 1:].t()
+            ref = self.reference(ids.cpu(), labels.cpu(), None)
+        elif f.scorer == "random":
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(self.cfg.train.seed * 1_000_003 + self.step * 10_007 + mb_index)
+        scores = score_tokens(f.scorer, loss2d, ref, generator=gen)
+        return select_tokens(scores, f.keep_ratio, f.granularity, sp_size=self.sp_size)
 
     # -- batches ---------------------------------------------------------------------------------
     def _microbatches(self, ds, start: int, count: int) -> list[torch.Tensor]:
@@ -151,18 +198,26 @@ class Trainer:
     def _forward_backward(self, batches: list[torch.Tensor], train: bool) -> tuple[float, int]:
         """Run the pipeline over ``batches``; returns (sum of per-token losses on this rank, tokens)."""
         tokens_per_mb = self.cfg.train.micro_batch_size * self.cfg.model.seq_length
-        global_tokens = tokens_per_mb * self.num_mb * self.dp
+        filtering = train and self.cfg.filter.mode != "off"
+        per_mb = self.kept_rows if filtering else tokens_per_mb
+        normaliser = per_mb * self.num_mb * self.dp  # kept (or all) tokens of the global batch
         acc = {"loss": torch.zeros((), dtype=torch.float64, device=self.device)}
 
         def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
             tok = batches[i]
             ids = tok[:, :-1].t().contiguous()
             targets = tok[:, 1:].t().reshape(-1)
-            out = self.model(ids if self.lay.is_first_stage else x, targets, KeepHolder())
+            keep = KeepHolder()
+            out = self.model(ids if self.lay.is_first_stage else x, targets, keep)
             if not self.lay.is_last_stage:
                 return out
             acc["loss"] += out.detach().double().sum()
-            return out.sum() / global_tokens
+            if not filtering:
+                return out.sum() / normaliser
+            sel = self._select(out, tok, self.lay.dp_rank + i * self.dp)
+            if self.collider:
+                keep.meta = KeepMeta(sel.idx, out.numel(), tok.shape[0])
+            return (out * sel.loss_mask.reshape(-1)).sum() / normaliser
 
         def backward_step(i: int, out: torch.Tensor, g: torch.Tensor | None) -> None:
             if g is None:
@@ -218,15 +273,20 @@ class Trainer:
             comm.all_reduce(sq, state.mp_group(), "mp", region="grads.norm")
         return math.sqrt(sq.item())
 
+    def compute_gradients(self) -> tuple[torch.Tensor, int]:
+        """Forward + backward of this step's global batch; leaves fully reduced gradients in ``.grad``."""
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = self._microbatches(self.train_ds, self.consumed, self.num_mb)
+        loss_sum, tokens = self._forward_backward(batches, train=True)
+        self._reduce_grads()
+        return loss_sum, tokens
+
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         lr = self.lr_at(self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
-        batches = self._microbatches(self.train_ds, self.consumed, self.num_mb)
-        loss_sum, tokens = self._forward_backward(batches, train=True)
-        self._reduce_grads()
+        loss_sum, tokens = self.compute_gradients()
         gnorm = self._grad_norm()
         clip = self.cfg.optim.grad_clip
         if clip > 0 and gnorm > clip:

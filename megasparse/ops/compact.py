@@ -110,3 +110,8 @@ def rows_of(t: torch.Tensor, meta: KeepMeta) -> torch.Tensor:
 
 def to_dense(g: torch.Tensor) -> torch.Tensor:
     return g.dense() if isinstance(g, CompactGrad) else g
+
+
+def densify_count() -> int:
+    """Compact gradients densified so far in this process (tests assert the filtered backward never does)."""
+    return DENSIFY_COUNT["n"]

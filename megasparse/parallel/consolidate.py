@@ -16,12 +16,12 @@ def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torc
     return torch.cat([torch.cat([pieces[r][i] for r in range(tp)], dim=dim) for i in range(len(partitions))], dim=dim)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters of the whole model, on every rank, keyed by global layer names."""
+def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters (or their gradients) of the whole model, on every rank, by global names."""
     lay = state.layout()
     local: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        t = p.detach()
+        t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p.detach()
         spec = getattr(p, "tp_spec", None)
         if spec is not None and lay.tp > 1:
             parts = [torch.empty_like(t) for _ in range(lay.tp)]
