@@ -22,11 +22,22 @@ class LossConfig:
     """Logit soft-capping value (Gemma-2 style), None for off."""
     z_loss: float = 0.0
     """Coefficient of the z-loss (lse²) regulariser."""
+    grad_accum_fp32: bool = False
+    """Accumulate the CCE kernels' dE/dC in fp32 scratch ([tokens+V_local, h] fp32 extra memory) instead of
+    atomically in the parameter dtype; worth it in exact mode with bf16, where many tiles add into each row."""
+    backend: str | None = None
+    """Force the cce backend: triton or torch (None: Triton on CUDA, the chunked torch reference on CPU)."""
     vocab_over_pp: bool = False
     """Shard the output layer's vocabulary over pipeline ranks too (balances the last stage)."""
 
     def validate(self) -> None:
         if self.impl not in ("cce", "torch"):
             raise ConfigError(f"loss.impl={self.impl!r}: use cce or torch")
+        if self.backend not in (None, "triton", "torch"):
+            raise ConfigError(f"loss.backend={self.backend!r}: use triton, torch or leave it unset")
+        if self.filter_eps is not None and not 0 <= self.filter_eps < 1:
+            raise ConfigError(f"loss.filter_eps={self.filter_eps}: use a value in [0, 1) or null for exact mode")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ConfigError(f"loss.softcap={self.softcap}: use a positive cap or null")
         if self.z_loss < 0:
             raise ConfigError(f"loss.z_loss={self.z_loss} must be >= 0")

@@ -103,4 +103,5 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return reduce_kept_grad(g.contiguous().clone(), None, g.shape[0], ctx.group, ctx.sp), None, None
+        with comm.phase("backward"):
+            return reduce_kept_grad(g.contiguous().clone(), None, g.shape[0], ctx.group, ctx.sp), None, None

@@ -1,0 +1,226 @@
+"""Cut Cross-Entropy on one GPU: correctness vs fp64, a small tile sweep, then fwd+bwd time and memory.
+
+Anchor: torch with materialised logits (h @ Wᵀ, fp32 cross-entropy) in the same run; also apple's
+cut-cross-entropy (``linear_cross_entropy``) and Liger's fused linear CE when importable. Memory is the
+peak allocated during fwd+bwd beyond the inputs and their gradient buffers.
+
+    python benchmarks/bench_cce.py --out runs/bench_cce.json [--sweep] [--shapes gemma2-2b,llama3-8b]
+
+Inputs are synthetic but peaky like a trained model's (Zipf-like token bias along a shared direction plus a
+boosted target), so gradient filtering and vocabulary sorting see realistic block sparsity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from megasparse.loss import LossConfig, vocab_parallel_loss
+from megasparse.loss.cce import KernelConfig, triton_shard_backward, triton_shard_forward
+
+SHAPES = {"gemma2-2b": (8192, 256000, 2304), "llama3-8b": (8192, 128256, 4096)}
+
+
+def make_inputs(n: int, v: int, d: int, dtype=torch.bfloat16, seed: int = 0, dev: str = "cuda"):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    u = torch.randn(d, device=dev, generator=g)
+    u /= u.norm()
+    rank = torch.randperm(v, device=dev, generator=g).float()
+    bias = -torch.log1p(rank)  # Zipf-like: frequent tokens get high logits in every row
+    w = torch.randn(v, d, device=dev, generator=g) / math.sqrt(d) + bias[:, None] * u
+    probs = 1.0 / (1.0 + torch.arange(v, device=dev).float())
+    tgt_rank = torch.multinomial(probs, n, replacement=True, generator=g)
+    tgt = torch.argsort(rank)[tgt_rank]
+    h = 1.5 * torch.randn(n, d, device=dev, generator=g) + 4.0 * u + 6.0 * w[tgt]
+    return h.to(dtype), w.to(dtype), tgt
+
+
+def ref_loss_grads(h, w, tgt, softcap=None, z=0.0):
+    """fp64 materialised reference (small problems only)."""
+    h64 = h.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    lg = h64 @ w64.T
+    if softcap:
+        lg = softcap * torch.tanh(lg / softcap)
+    lse = torch.logsumexp(lg, 1)
+    loss = lse - lg.gather(1, tgt[:, None]).squeeze(1) + z * lse * lse
+    gout = torch.linspace(0.5, 1.5, h.shape[0], device=h.device, dtype=torch.float64)
+    loss.backward(gout)
+    return loss.detach(), h64.grad, w64.grad, gout
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def ours(h, w, tgt, cfg: LossConfig):
+    return vocab_parallel_loss(h, w, tgt, cfg, vocab_start=0, vocab_size=w.shape[0])
+
+
+def correctness(rows: list[dict]) -> None:
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        for n, v, d, sc, z, eps, srt in (
+            (1037, 5003, 320, None, 0.0, None, False),
+            (1037, 5003, 320, 30.0, 1e-4, None, True),
+            (2048, 32000, 256, None, 0.0, 2.0**-12, True),
+        ):
+            h, w, t = make_inputs(n, v, d, dtype, seed=n + v)
+            lr, ghr, gwr, gout = ref_loss_grads(h, w, t, sc, z)
+            hh = h.detach().requires_grad_()
+            ww = w.detach().requires_grad_()
+            cfg = LossConfig(impl="cce", softcap=sc, z_loss=z, filter_eps=eps, sort_vocab=srt)
+            loss = ours(hh, ww, t, cfg)
+            loss.backward(gout.float())
+            errs = (rel(loss, lr), rel(hh.grad, ghr), rel(ww.grad, gwr))
+            # filtering drops softmax mass < eps per entry: dE (a small difference of large terms) moves most
+            ok = all(math.isfinite(e) and e < (tol if eps is None else max(tol, 5e-2)) for e in errs)
+            rows.append(dict(kind="check", dtype=str(dtype), n=n, v=v, d=d, softcap=sc, z=z, eps=eps, sort=srt,
+                             loss_rel=errs[0], de_rel=errs[1], dc_rel=errs[2], ok=ok))  # fmt: skip
+            print(f"check {dtype} n={n} v={v} d={d} softcap={sc} z={z} eps={eps} sort={srt}: "
+                  f"loss {errs[0]:.2e} dE {errs[1]:.2e} dC {errs[2]:.2e} {'OK' if ok else 'FAIL'}")  # fmt: skip
+
+
+def bench_ms(fn, reps: int = 10) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=50, rep=max(200, reps), return_mode="median"))
+
+
+def fwd_bwd_runner(name: str, h, w, t):
+    """A closure running fwd+bwd of method ``name`` on fresh grads, or None if unavailable."""
+    if name.startswith("megasparse"):
+        cfg = LossConfig(impl="cce", sort_vocab="sort" in name, filter_eps=None if "exact" in name else 2.0**-12)
+
+        def loss_fn(hh, ww):
+            return ours(hh, ww, t, cfg).sum()
+    elif name == "torch-materialised":
+
+        def loss_fn(hh, ww):
+            return torch.nn.functional.cross_entropy((hh @ ww.T).float(), t, reduction="sum")
+    elif name == "apple-cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        def loss_fn(hh, ww):
+            return linear_cross_entropy(hh, ww, t, reduction="sum")
+    elif name == "liger-flce":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        def loss_fn(hh, ww):
+            return liger_fused_linear_cross_entropy(hh, ww, t, reduction="sum")
+    else:
+        raise ValueError(name)
+
+    hh = h.detach().requires_grad_()
+    ww = w.detach().requires_grad_()
+
+    def run():
+        hh.grad = None
+        ww.grad = None
+        loss_fn(hh, ww).backward()
+
+    return run, hh, ww
+
+
+def measure(name, h, w, t) -> dict:
+    try:
+        run, hh, ww = fwd_bwd_runner(name, h, w, t)
+        run()
+        torch.cuda.synchronize()
+        ms = bench_ms(run)
+        hh.grad = None
+        ww.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        grads = hh.grad.numel() * hh.grad.element_size() + ww.grad.numel() * ww.grad.element_size()
+        extra = (torch.cuda.max_memory_allocated() - base - grads) / 2**20
+        de, dc = hh.grad.detach().clone(), ww.grad.detach().clone()
+        hh.grad = ww.grad = None
+        return dict(method=name, ms=ms, extra_mb=extra, de=de, dc=dc)
+    except Exception as e:  # a missing optional baseline must not kill the run
+        print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return dict(method=name, ms=float("nan"), extra_mb=float("nan"), error=str(e)[:300])
+
+
+def sweep(h, w, t, rows: list[dict]) -> None:
+    n, d = h.shape
+    v = w.shape[0]
+    lse, _, sums = triton_shard_forward(h, w, t, v, col_sum=True)
+    perm = torch.argsort(sums, descending=True)
+    g = torch.ones(n, device=h.device)
+    for c in (
+        KernelConfig(128, 256, 64, 8, 3), KernelConfig(128, 128, 64, 8, 3), KernelConfig(256, 128, 64, 8, 3),
+        KernelConfig(128, 256, 32, 8, 4), KernelConfig(128, 128, 128, 8, 3),
+    ):  # fmt: skip
+        for what in ("bwd", "bwd-sorted"):
+            try:
+                if what == "fwd":
+                    ms = bench_ms(lambda c=c: triton_shard_forward(h, w, t, v, cfg=c))
+                else:
+                    p = perm if what == "bwd-sorted" else None
+                    ms = bench_ms(
+                        lambda c=c, p=p: triton_shard_backward(h, w, t, lse, g, g, v, None, 2.0**-12, p, cfg=c)
+                    )
+            except Exception as e:
+                print(f"sweep {c} {what}: {type(e).__name__} {str(e)[:200]}", flush=True)
+                ms = float("nan")
+            rows.append(dict(kind="sweep", cfg=str(c), what=what, ms=ms))
+            print(f"sweep {c} {what}: {ms:.2f} ms", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_cce.json")
+    ap.add_argument("--shapes", default="gemma2-2b,llama3-8b")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    args = ap.parse_args(argv)
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}  torch {torch.__version__}", flush=True)
+    rows: list[dict] = []
+    if not args.no_check:
+        correctness(rows)
+    table = []
+    methods = ("megasparse-cce", "megasparse-cce-sort", "apple-cce", "liger-flce", "torch-materialised")
+    for shape in args.shapes.split(","):
+        n, v, d = SHAPES[shape]
+        h, w, t = make_inputs(n, v, d)
+        if args.sweep and shape == args.shapes.split(",")[0]:
+            sweep(h, w, t, rows)
+        res = {m: measure(m, h, w, t) for m in methods}
+        anchor = res["torch-materialised"]
+        a_de, a_dc = anchor.pop("de", None), anchor.pop("dc", None)
+        for m in methods:
+            r = res[m]
+            de, dc = r.pop("de", None), r.pop("dc", None)
+            if de is not None and a_de is not None:
+                r["de_rel_vs_torch"], r["dc_rel_vs_torch"] = rel(de, a_de), rel(dc, a_dc)
+            r.update(shape=shape, kind="bench", ratio_vs_torch=r["ms"] / anchor["ms"])
+            r["ratio_vs_apple"] = r["ms"] / res["apple-cce"]["ms"]
+            rows.append(r)
+            table.append(r)
+        del a_de, a_dc
+        del h, w, t
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(dict(device=dev, torch=torch.__version__, time=time.time(), rows=rows), f, indent=1)
+    print(
+        f"\n{'shape':<11}{'method':<21}{'ms':>9}{'extra MB':>10}{'x torch':>9}{'x apple':>9}{'dE rel':>9}{'dC rel':>9}"
+    )
+    for r in table:
+        print(f"{r['shape']:<11}{r['method']:<21}{r['ms']:>9.2f}{r['extra_mb']:>10.1f}{r['ratio_vs_torch']:>9.2f}"
+              f"{r['ratio_vs_apple']:>9.2f}{r.get('de_rel_vs_torch', float('nan')):>9.1e}"
+              f"{r.get('dc_rel_vs_torch', float('nan')):>9.1e}")  # fmt: skip
+    print(f"device: {dev}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

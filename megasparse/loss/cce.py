@@ -1,0 +1,431 @@
+"""Cut Cross-Entropy on one vocabulary shard: Triton kernels, their launchers, the autograd Function.
+
+Forward (``_fwd_kernel``): each program owns a block of rows and a contiguous range of vocabulary
+blocks, recomputes logit tiles in registers, keeps an online log-sum-exp and picks the target logit
+on the fly; it writes one partial (lse, target logit) per row and split, a [splits, n] buffer merged
+by a tiny logsumexp. No spin lock, no [n, V] tensor, deterministic.
+
+Backward (``_bwd_kernel``): one program per (row block, vocabulary block) recomputes the tile, forms
+gs·softmax − gt·onehot, skips the tile when every softmax entry is below ``filter_eps`` and no
+target falls in it, and otherwise atomically adds its dE and dC contributions. Programs that share
+a vocabulary block are launched together so the classifier tile is read from HBM once. Kept tiles add
+into dE/dC with vectorised read-modify-writes under per-(block, D-chunk) spin locks.
+
+``shard_forward`` / ``shard_backward`` are the split pieces a pipeline-vocabulary caller needs (lse
+partial + target logit partial; backward for a given merged lse); they pick Triton on CUDA, the
+chunked torch reference (``reference.py``) on CPU, or Triton anywhere when MEGASPARSE_CCE_BACKEND=triton
+(CPU tests use that with TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megasparse.loss.reference import torch_shard_backward, torch_shard_forward
+from megasparse.parallel import comm
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU images without triton use the torch path
+    triton = None
+    tl = None
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and pipelining of one kernel (chosen on H100/H200, see docs/benchmarks/cce.md)."""
+
+    block_m: int = 128
+    block_v: int = 128
+    block_d: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+FWD_CONFIG = KernelConfig(128, 256, 64, 8, 3)
+BWD_CONFIG = KernelConfig(128, 256, 64, 8, 3)
+_SMALL = KernelConfig(16, 32, 16, 4, 1)  # interpreter / tiny problems
+
+
+def backend_for(t: Tensor) -> str:
+    """triton on CUDA, torch on CPU; MEGASPARSE_CCE_BACKEND forces one (tests run Triton interpreted)."""
+    forced = os.environ.get("MEGASPARSE_CCE_BACKEND", "")
+    if forced in ("triton", "torch"):
+        return forced if (forced == "torch" or triton is not None) else "torch"
+    return "triton" if (t.is_cuda and triton is not None) else "torch"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile_logits(
+        E, C, rows, cols, row_ok, col_ok, D, stride_e, stride_c,
+        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+        offs_d = tl.arange(0, BLOCK_D)
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + offs_d
+            if EVEN_D:
+                e = tl.load(E + rows[:, None] * stride_e + dd[None, :], mask=row_ok[:, None], other=0.0)
+                c = tl.load(C + cols[:, None] * stride_c + dd[None, :], mask=col_ok[:, None], other=0.0)
+            else:
+                d_ok = dd < D
+                e = tl.load(E + rows[:, None] * stride_e + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                c = tl.load(C + cols[:, None] * stride_c + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = tl.dot(e, tl.trans(c), acc, input_precision=DOT_PREC)
+        return acc
+
+    @triton.jit
+    def _fwd_kernel(
+        E, C, T, LSE_P, TGT_P, COL_SUM,
+        N, D, n_valid, blocks_per_split, stride_e, stride_c, softcap,
+        HAS_SOFTCAP: tl.constexpr, WANT_COL_SUM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(N, BLOCK_M)
+        pid_m = pid % num_m
+        pid_s = pid // num_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < N
+        tgt = tl.load(T + rows, mask=row_ok, other=-1)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        t_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        n_vb = tl.cdiv(n_valid, BLOCK_V)
+        vb_lo = pid_s * blocks_per_split
+        vb_hi = tl.minimum(vb_lo + blocks_per_split, n_vb)
+        for vb in range(vb_lo, vb_hi):
+            cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+            col_ok = cols < n_valid
+            acc = _tile_logits(
+                E, C, rows, cols, row_ok, col_ok, D, stride_e, stride_c, BLOCK_M, BLOCK_V, BLOCK_D, EVEN_D, DOT_PREC
+            )
+            if HAS_SOFTCAP:
+                acc = softcap * (2.0 * tl.sigmoid(acc * (2.0 / softcap)) - 1.0)
+            acc = tl.where(col_ok[None, :], acc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(acc, axis=1))
+            s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
+            m_i = m_new
+            t_i += tl.sum(tl.where(cols[None, :] == tgt[:, None], acc, 0.0), axis=1)
+            if WANT_COL_SUM:
+                part = tl.sum(tl.where(row_ok[:, None] & col_ok[None, :], acc, 0.0), axis=0)
+                tl.atomic_add(COL_SUM + cols, part, mask=col_ok)
+        tl.store(LSE_P + pid_s * N + rows, m_i + tl.log(s_i), mask=row_ok)
+        tl.store(TGT_P + pid_s * N + rows, t_i, mask=row_ok)
+
+    @triton.jit
+    def _bwd_kernel(
+        E, C, T, LSE, GS, GT, PERM, DE, DC, DE_LOCK, DC_LOCK,
+        N, D, n_valid, stride_e, stride_c, stride_de, stride_dc, softcap, eps,
+        HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr, HAS_PERM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(N, BLOCK_M)
+        pid_m = pid % num_m
+        pid_v = pid // num_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < N
+        pos = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = pos < n_valid
+        if HAS_PERM:
+            cols = tl.load(PERM + pos, mask=col_ok, other=0)
+        else:
+            cols = pos
+        acc = _tile_logits(
+            E, C, rows, cols, row_ok, col_ok, D, stride_e, stride_c, BLOCK_M, BLOCK_V, BLOCK_D, EVEN_D, DOT_PREC
+        )
+        if HAS_SOFTCAP:
+            th = 2.0 * tl.sigmoid(acc * (2.0 / softcap)) - 1.0
+            acc = softcap * th
+        lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
+        tgt = tl.load(T + rows, mask=row_ok, other=-1)
+        p = tl.exp(acc - lse[:, None])
+        p = tl.where(row_ok[:, None] & col_ok[None, :], p, 0.0)
+        is_t = (cols[None, :] == tgt[:, None]) & col_ok[None, :]
+        keep = True
+        if FILTER:
+            has_t = tl.max(tl.max(is_t.to(tl.int32), axis=1), axis=0) > 0
+            keep = (tl.max(tl.max(p, axis=1), axis=0) >= eps) | has_t
+        if keep:
+            gs = tl.load(GS + rows, mask=row_ok, other=0.0)
+            gt = tl.load(GT + rows, mask=row_ok, other=0.0)
+            g = gs[:, None] * p - tl.where(is_t, gt[:, None], 0.0)
+            if HAS_SOFTCAP:
+                g = g * (1.0 - th * th)
+            g = g.to(E.dtype.element_ty)
+            n_dc = tl.cdiv(D, BLOCK_D)
+            _locked_mm_add(g, C, cols, col_ok, DE, rows, row_ok, stride_c, stride_de, DE_LOCK + pid_m * n_dc, D,
+                           BLOCK_D, EVEN_D, DOT_PREC)  # fmt: skip
+            _locked_mm_add(tl.trans(g), E, rows, row_ok, DC, cols, col_ok, stride_e, stride_dc, DC_LOCK + pid_v * n_dc,
+                           D, BLOCK_D, EVEN_D, DOT_PREC)  # fmt: skip
+
+    @triton.jit
+    def _locked_mm_add(
+        a, B, b_rows, b_ok, OUT, o_rows, o_ok, stride_b, stride_o, LOCKS, D,
+        BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        """OUT[o_rows] += a @ B[b_rows], one D chunk at a time, each chunk under its own spin lock.
+
+        Vectorised read-modify-write under a lock instead of per-element atomics: one atomic pair per
+        chunk, and a single rounding per add into a low-precision buffer.
+        """
+        offs_d = tl.arange(0, BLOCK_D)
+        for d0 in range(0, D, BLOCK_D):
+            dd = d0 + offs_d
+            if EVEN_D:
+                m_b = b_ok[:, None]
+                m_o = o_ok[:, None]
+            else:
+                m_b = b_ok[:, None] & (dd < D)[None, :]
+                m_o = o_ok[:, None] & (dd < D)[None, :]
+            b = tl.load(B + b_rows[:, None] * stride_b + dd[None, :], mask=m_b, other=0.0)
+            part = tl.dot(a, b, input_precision=DOT_PREC)
+            lock = LOCKS + d0 // BLOCK_D
+            while tl.atomic_cas(lock, 0, 1) == 1:
+                pass
+            ptrs = OUT + o_rows[:, None] * stride_o + dd[None, :]
+            cur = tl.load(ptrs, mask=m_o, other=0.0)
+            tl.store(ptrs, (cur.to(tl.float32) + part).to(OUT.dtype.element_ty), mask=m_o)
+            tl.atomic_xchg(lock, 0)
+
+
+def _pick(cfg: KernelConfig | None, default: KernelConfig, t: Tensor) -> KernelConfig:
+    if cfg is not None:
+        return cfg
+    return default if t.is_cuda else _SMALL
+
+
+def _dot_prec(t: Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _check(h: Tensor, w: Tensor) -> None:
+    if h.dtype != w.dtype or h.shape[-1] != w.shape[-1]:
+        raise ValueError(f"cce: hidden {tuple(h.shape)} {h.dtype} and weight {tuple(w.shape)} {w.dtype} must agree")
+
+
+def triton_shard_forward(
+    h: Tensor,
+    w: Tensor,
+    tgt: Tensor,
+    n_valid: int,
+    softcap: float | None = None,
+    col_sum: bool = False,
+    cfg: KernelConfig | None = None,
+    splits: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Triton version of ``reference.torch_shard_forward`` (same contract)."""
+    _check(h, w)
+    cfg = _pick(cfg, FWD_CONFIG, h)
+    h, w = h.contiguous(), w.contiguous()
+    n, d = h.shape
+    dev = h.device
+    sums = torch.zeros(w.shape[0], dtype=torch.float32, device=dev) if col_sum else None
+    if n == 0 or n_valid == 0:
+        return (
+            torch.full((n,), float("-inf"), device=dev),
+            torch.zeros(n, device=dev),
+            sums,
+        )
+    num_m = triton.cdiv(n, cfg.block_m)
+    n_vb = triton.cdiv(n_valid, cfg.block_v)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if h.is_cuda else 4
+        splits = max(1, min(n_vb, triton.cdiv(4 * sms, num_m)))
+    per = triton.cdiv(n_vb, splits)
+    splits = triton.cdiv(n_vb, per)
+    lse_p = torch.empty(splits, n, dtype=torch.float32, device=dev)
+    tgt_p = torch.empty(splits, n, dtype=torch.float32, device=dev)
+    _fwd_kernel[(num_m * splits,)](
+        h, w, tgt.to(torch.int32).contiguous(), lse_p, tgt_p, sums if sums is not None else lse_p,
+        n, d, n_valid, per, h.stride(0), w.stride(0), float(softcap or 1.0),
+        HAS_SOFTCAP=softcap is not None, WANT_COL_SUM=col_sum,
+        BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, EVEN_D=d % cfg.block_d == 0,
+        DOT_PREC=_dot_prec(h), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    lse = torch.logsumexp(lse_p, dim=0) if splits > 1 else lse_p[0]
+    return lse, tgt_p.sum(0), sums
+
+
+def triton_shard_backward(
+    h: Tensor,
+    w: Tensor,
+    tgt: Tensor,
+    lse: Tensor,
+    gs: Tensor,
+    gt: Tensor,
+    n_valid: int,
+    softcap: float | None = None,
+    filter_eps: float | None = None,
+    perm: Tensor | None = None,
+    accum_fp32: bool = False,
+    cfg: KernelConfig | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Triton version of ``reference.torch_shard_backward``; filtering is per (row block, vocab block) tile.
+
+    Gradients are added under per-chunk spin locks into buffers of the input dtype unless ``accum_fp32``
+    (fp32 scratch of [n, D] + [V_local, D]: exact-mode precision at the cost of memory).
+    """
+    _check(h, w)
+    cfg = _pick(cfg, BWD_CONFIG, h)
+    h, w = h.contiguous(), w.contiguous()
+    n, d = h.shape
+    acc_dt = torch.float32 if accum_fp32 else h.dtype
+    d_e = torch.zeros(n, d, dtype=acc_dt, device=h.device)
+    d_c = torch.zeros(w.shape[0], d, dtype=acc_dt, device=h.device)
+    if n and n_valid:
+        _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter_eps, cfg)
+    return d_e.to(h.dtype), d_c.to(w.dtype)
+
+
+def _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter_eps, cfg) -> None:
+    n, d = h.shape
+    num_m = triton.cdiv(n, cfg.block_m)
+    n_vb = triton.cdiv(n_valid, cfg.block_v)
+    perm_t = perm.to(torch.int32).contiguous() if perm is not None else tgt
+    n_dc = triton.cdiv(d, cfg.block_d)
+    locks = torch.zeros(num_m * n_dc + n_vb * n_dc, dtype=torch.int32, device=h.device).split(
+        [num_m * n_dc, n_vb * n_dc]
+    )
+    _bwd_kernel[(num_m * n_vb,)](
+        h, w, tgt.to(torch.int32).contiguous(), lse.float().contiguous(), gs.float().contiguous(),
+        gt.float().contiguous(), perm_t, d_e, d_c, locks[0], locks[1],
+        n, d, n_valid, h.stride(0), w.stride(0), d_e.stride(0), d_c.stride(0),
+        float(softcap or 1.0), float(filter_eps or 0.0),
+        HAS_SOFTCAP=softcap is not None, FILTER=filter_eps is not None, HAS_PERM=perm is not None,
+        BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, EVEN_D=d % cfg.block_d == 0,
+        DOT_PREC=_dot_prec(h), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def shard_forward(
+    h: Tensor,
+    w: Tensor,
+    tgt: Tensor,
+    n_valid: int,
+    softcap: float | None = None,
+    col_sum: bool = False,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Loss pieces of one vocabulary slice: (lse partial [n], target-logit partial [n], column sums or None).
+
+    ``tgt`` is the target's column within this slice, -1 where it lies in another slice. Merge the
+    partials of all slices with logsumexp / sum, then call ``shard_backward`` with the merged lse.
+    """
+    if (backend or backend_for(h)) == "triton":
+        return triton_shard_forward(h, w, tgt, n_valid, softcap, col_sum)
+    return torch_shard_forward(h, w, tgt, n_valid, softcap, col_sum)
+
+
+def shard_backward(
+    h: Tensor,
+    w: Tensor,
+    tgt: Tensor,
+    lse: Tensor,
+    gs: Tensor,
+    gt: Tensor,
+    n_valid: int,
+    softcap: float | None = None,
+    filter_eps: float | None = None,
+    perm: Tensor | None = None,
+    accum_fp32: bool = False,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(dE, dC) of this slice for dlogits = gs·softmax(logits − merged lse) − gt·onehot(tgt)."""
+    if (backend or backend_for(h)) == "triton":
+        return triton_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, filter_eps, perm, accum_fp32)
+    return torch_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, filter_eps, perm)
+
+
+@dataclass(frozen=True)
+class CCEOptions:
+    """What the autograd Function needs from LossConfig plus the shard geometry."""
+
+    n_valid: int
+    vocab_start: int
+    softcap: float | None = None
+    z_loss: float = 0.0
+    filter_eps: float | None = 2.0**-12
+    sort_vocab: bool = False
+    accum_fp32: bool = False
+    ignore_index: int = -100
+    sequence_parallel: bool = False
+    backend: str | None = None
+
+
+def _rows_or_all(h: Tensor, rows: Tensor | None) -> Tensor:
+    return h if rows is None else h.index_select(0, rows)
+
+
+class VocabParallelCCE(torch.autograd.Function):
+    """Per-token loss lse − target logit + z·lse² over a TP-sharded vocabulary, never materialising logits.
+
+    Ignored rows are compacted out before any kernel runs; the backward runs on ``keep_idx`` ∩ valid rows
+    only, and only those rows travel in the dE collective.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, keep_idx: Tensor | None, group, opt: CCEOptions):
+        from megasparse.parallel import vocab
+
+        h_full = vocab.gather_rows(hidden, group, opt.sequence_parallel)
+        n = targets.numel()
+        valid = targets != opt.ignore_index
+        vrows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+        h_v = _rows_or_all(h_full, vrows)
+        t_v = _rows_or_all(targets, vrows) - opt.vocab_start
+        t_v = torch.where((t_v >= 0) & (t_v < opt.n_valid), t_v, torch.full_like(t_v, -1))
+        lse_l, tgt_l, sums = shard_forward(h_v, weight, t_v, opt.n_valid, opt.softcap, opt.sort_vocab, opt.backend)
+        lse, tgt = vocab.merge_shard_stats(lse_l.float(), tgt_l.float(), group)
+        loss_v = lse - tgt
+        if opt.z_loss:
+            loss_v = loss_v + opt.z_loss * lse * lse
+        if vrows is None:
+            loss = loss_v
+        else:
+            loss = torch.zeros(n, dtype=torch.float32, device=targets.device).index_copy_(0, vrows, loss_v)
+        perm = None
+        if sums is not None:
+            perm = torch.argsort(sums[: opt.n_valid], descending=True, stable=True)
+        lse_full = lse if vrows is None else torch.zeros(n, device=lse.device).index_copy_(0, vrows, lse)
+        ctx.save_for_backward(h_full, weight, targets, lse_full, keep_idx, valid, perm)
+        ctx.group, ctx.opt, ctx.n_local = group, opt, hidden.shape[0]
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        from megasparse.parallel import vocab
+
+        h_full, weight, targets, lse, keep_idx, valid, perm = ctx.saved_tensors
+        opt: CCEOptions = ctx.opt
+        n = targets.numel()
+        if keep_idx is not None:
+            mask = torch.zeros(n, dtype=torch.bool, device=targets.device)
+            mask[keep_idx] = True
+            mask &= valid
+            rows = mask.nonzero().squeeze(1)
+        else:
+            rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+        g = _rows_or_all(grad.float(), rows)
+        lse_r = _rows_or_all(lse, rows)
+        gs = g * (1 + 2 * opt.z_loss * lse_r) if opt.z_loss else g
+        t_r = _rows_or_all(targets, rows) - opt.vocab_start
+        t_r = torch.where((t_r >= 0) & (t_r < opt.n_valid), t_r, torch.full_like(t_r, -1))
+        d_e, d_c = shard_backward(
+            _rows_or_all(h_full, rows), weight, t_r, lse_r, gs, g, opt.n_valid, opt.softcap, opt.filter_eps,
+            perm, opt.accum_fp32, opt.backend,
+        )  # fmt: skip
+        with comm.phase("backward"):
+            d_h = vocab.reduce_kept_grad(d_e, rows, n, ctx.group, opt.sequence_parallel)
+        return d_h, d_c, None, None, None, None

@@ -1,0 +1,165 @@
+"""CCE loss on CPU (chunked torch path and the materialised path) against fp64 torch cross-entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megasparse.configbase import ConfigError
+from megasparse.loss import LossConfig, shard_backward, shard_forward, vocab_parallel_loss
+
+
+def ref_loss(h, w, t, vocab_size, softcap=None, z=0.0, ignore_index=-100):
+    """Explicit fp64 per-token loss: lse − target logit + z·lse² (0 on ignored rows)."""
+    lg = h.double() @ w[:vocab_size].double().T
+    if softcap is not None:
+        lg = softcap * torch.tanh(lg / softcap)
+    lse = torch.logsumexp(lg, 1)
+    valid = t != ignore_index
+    tl = lg.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+    return torch.where(valid, lse - tl + z * lse * lse, torch.zeros_like(lse))
+
+
+def run(h, w, t, cfg, vocab_size, gout, **kw):
+    hh = h.detach().clone().requires_grad_()
+    ww = w.detach().clone().requires_grad_()
+    loss = vocab_parallel_loss(hh, ww, t, cfg, vocab_start=0, vocab_size=vocab_size, **kw)
+    loss.backward(gout)
+    return loss.detach(), hh.grad, ww.grad
+
+
+def run_ref(h, w, t, vocab_size, gout, **kw):
+    hh = h.detach().double().requires_grad_()
+    ww = w.detach().double().requires_grad_()
+    loss = ref_loss(hh, ww, t, vocab_size, **kw)
+    loss.backward(gout.double())
+    return loss.detach(), hh.grad, ww.grad
+
+
+def inputs(n, v, d, seed, pad=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v + pad, d, generator=g) / d**0.5 * 3
+    t = torch.randint(0, v, (n,), generator=g)
+    gout = torch.rand(n, generator=g) + 0.5
+    return h, w, t, gout
+
+
+def close(a, b, tol):
+    err = float((a.double() - b.double()).norm() / b.double().norm())
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("impl", ["cce", "torch"])
+@pytest.mark.parametrize("n,d", [(67, 64), (45, 256)])
+def test_matches_fp64_at_gpt2_vocab(impl, n, d):
+    v = 50257
+    h, w, t, gout = inputs(n, v, d, seed=n * d, pad=7)  # 7 padded rows: must never count
+    w[v:] = 100.0  # padding that would dominate the lse if it leaked in
+    cfg = LossConfig(impl=impl, filter_eps=None)
+    loss, dh, dw = run(h, w, t, cfg, v, gout)
+    rl, rdh, rdw = run_ref(h, w, t, v, gout)
+    close(loss, rl, 1e-6)
+    close(dh, rdh, 1e-5)
+    close(dw[:v], rdw[:v], 1e-5)
+    assert torch.all(dw[v:] == 0)
+
+
+def test_exact_mode_bitwise_stable():
+    h, w, t, gout = inputs(53, 3001, 96, seed=1)
+    cfg = LossConfig(impl="cce", filter_eps=None, sort_vocab=True)
+    a = run(h, w, t, cfg, 3001, gout)
+    b = run(h, w, t, cfg, 3001, gout)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("impl", ["cce", "torch"])
+def test_ignore_index_rows(impl):
+    h, w, t, gout = inputs(41, 997, 48, seed=2)
+    t[[0, 5, 40]] = -100
+    cfg = LossConfig(impl=impl, filter_eps=None)
+    loss, dh, dw = run(h, w, t, cfg, 997, gout)
+    rl, rdh, rdw = run_ref(h, w, t, 997, gout)
+    assert torch.all(loss[[0, 5, 40]] == 0) and torch.all(dh[[0, 5, 40]] == 0)
+    close(loss, rl, 1e-6)
+    close(dh, rdh, 1e-5)
+    close(dw, rdw, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["cce", "torch"])
+def test_softcap_and_z_loss(impl):
+    h, w, t, gout = inputs(39, 1531, 80, seed=3)
+    h *= 4  # logits big enough for the cap to bend them
+    cfg = LossConfig(impl=impl, filter_eps=None, softcap=5.0, z_loss=1e-2)
+    loss, dh, dw = run(h, w, t, cfg, 1531, gout)
+    rl, rdh, rdw = run_ref(h, w, t, 1531, gout, softcap=5.0, z=1e-2)
+    close(loss, rl, 1e-6)
+    close(dh, rdh, 1e-5)
+    close(dw, rdw, 1e-5)
+
+
+def test_sorting_same_result():
+    h, w, t, gout = inputs(57, 4099, 64, seed=4)
+    a = run(h, w, t, LossConfig(impl="cce", filter_eps=None), 4099, gout)
+    b = run(h, w, t, LossConfig(impl="cce", filter_eps=None, sort_vocab=True), 4099, gout)
+    assert torch.equal(a[0], b[0])
+    close(b[1], a[1], 1e-6)
+    close(b[2], a[2], 1e-6)
+
+
+def test_filtering_error_bounded_by_eps():
+    """Each dropped softmax entry is < eps, so |dE_filtered − dE_exact| ≤ eps·|g|·Σ_j |C_j| elementwise."""
+    h, w, t, gout = inputs(61, 2003, 32, seed=5)
+    h *= 3  # peaky softmax: many entries fall under eps
+    eps = 2.0**-12
+    _, dh0, dw0 = run(h, w, t, LossConfig(impl="cce", filter_eps=None), 2003, gout)
+    _, dh1, dw1 = run(h, w, t, LossConfig(impl="cce", filter_eps=eps), 2003, gout)
+    bound = eps * gout[:, None] * w.abs().sum(0)[None, :]
+    assert not torch.equal(dh0, dh1)  # something was actually filtered
+    assert torch.all((dh1 - dh0).abs() <= bound + 1e-6)
+    bound_c = eps * (gout[:, None] * h.abs()).sum(0)[None, :]
+    assert torch.all((dw1 - dw0).abs() <= bound_c + 1e-6)
+
+
+@pytest.mark.parametrize("impl", ["cce", "torch"])
+def test_keep_idx_only_kept_rows_get_gradient(impl):
+    h, w, t, gout = inputs(30, 701, 40, seed=6)
+    t[3] = -100
+    keep = torch.tensor([1, 3, 4, 10, 17, 29])
+    loss, dh, dw = run(h, w, t, LossConfig(impl=impl, filter_eps=None), 701, gout, keep_idx=keep)
+    mask = torch.zeros(30)
+    mask[keep] = 1
+    rl, rdh, rdw = run_ref(h, w, t, 701, gout * mask)
+    close(loss, run_ref(h, w, t, 701, gout)[0], 1e-6)  # forward covers every row
+    dropped = torch.ones(30, dtype=torch.bool)
+    dropped[keep] = False
+    assert torch.all(dh[dropped] == 0) and torch.all(dh[3] == 0)
+    close(dh, rdh, 1e-5)
+    close(dw, rdw, 1e-5)
+
+
+def test_split_pieces_merge_like_one_slice():
+    """Two vocabulary slices' partials, merged by the caller, give the whole-vocabulary loss and gradients."""
+    h, w, t, gout = inputs(33, 1000, 24, seed=7)
+    lse_full, tl_full, _ = shard_forward(h, w, t, 1000, backend="torch")
+    parts = []
+    for lo, hi in ((0, 400), (400, 1000)):
+        tt = torch.where((t >= lo) & (t < hi), t - lo, -1)
+        parts.append((tt, *shard_forward(h, w[lo:hi], tt, hi - lo, backend="torch")[:2]))
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
+    torch.testing.assert_close(lse, lse_full)
+    torch.testing.assert_close(parts[0][2] + parts[1][2], tl_full)
+    d_e = sum(shard_backward(h, w[lo:hi], p[0], lse, gout, gout, hi - lo, backend="torch")[0]
+              for (lo, hi), p in zip(((0, 400), (400, 1000)), parts))  # fmt: skip
+    _, rdh, _ = run_ref(h, w, t, 1000, gout)
+    close(d_e, rdh, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "field,value", [("impl", "cuda"), ("backend", "cuda"), ("filter_eps", 2.0), ("softcap", -1.0), ("z_loss", -1.0)]
+)
+def test_config_errors_name_the_key(field, value):
+    cfg = LossConfig(**{field: value})
+    with pytest.raises(ConfigError, match=f"loss.{field}"):
+        cfg.validate()
