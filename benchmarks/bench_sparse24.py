@@ -33,10 +33,10 @@ from megasparse.sparse24.mvue import mvue24, mvue24_reference, mvue24_triton  # 
 
 SHAPES = [(4096, 14336), (2048, 5632), (4096, 11008)]
 MASK_REFRESH_INTERVAL = 40
-# (block-rows, block-cols, gather addressing, warps) per program of the mask kernel
-MASK_SWEEP = [
-    (1, 32, False, 4), (1, 64, False, 4), (2, 32, False, 4), (4, 32, False, 4), (4, 32, False, 8),
-    (8, 32, False, 8), (4, 64, False, 8), (1, 32, True, 4), (4, 32, True, 4), (8, 32, True, 8), (2, 64, True, 4),
+MASK_SWEEP = [  # (block-rows, block-cols, gather addressing, warps, split 64+32 scoring) per program
+    (1, 64, False, 4, False), (2, 32, False, 4, False), (4, 32, True, 4, False), (2, 64, True, 4, False),
+    (1, 64, False, 4, True), (2, 32, False, 4, True), (4, 32, True, 4, True), (2, 64, True, 4, True),
+    (2, 64, True, 2, True), (1, 64, True, 2, True), (1, 32, True, 2, True),
 ]  # fmt: skip
 RESULTS: dict = {"checks": {}, "mask": [], "gemm": [], "ffn": [], "notes": []}
 
@@ -120,7 +120,7 @@ def checks(dev):
             with torch.no_grad():
                 wp.add_(torch.randn_like(wp) * 0.05)  # optimizer step: values change, mask stays
             st.refresh(wp)
-        c[f"lin_{out_f}x{in_f}_fast_refresh"] = bool(st.fast_refresh)
+        c[f"lin_{out_f}x{in_f}_fast_refresh"] = list(st.fast_refresh)
         # MVUE wgrad through cuSPARSELt
         gy = torch.randn(n, out_f, device=dev, dtype=torch.bfloat16, generator=g)
         xx = torch.randn(n, in_f, device=dev, dtype=torch.bfloat16, generator=g)
@@ -157,18 +157,18 @@ def mask_bandwidth(dev):
     for rows, cols in ((14336, 4096), (28672, 4096), (5632, 2048), (4096, 14336)):
         w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
         ref = transposable_mask(w)
-        for br, bb, gather, nw in MASK_SWEEP:
+        for br, bb, gather, nw, split in MASK_SWEEP:
             try:
-                m = transposable_mask_triton(w, br=br, bb=bb, gather=gather, num_warps=nw)
+                m = transposable_mask_triton(w, br=br, bb=bb, gather=gather, num_warps=nw, split=split)
                 if not torch.equal(m, ref):
-                    RESULTS["notes"].append(f"mask config {(br, bb, gather, nw)} disagrees with the default")
+                    RESULTS["notes"].append(f"mask config {(br, bb, gather, nw, split)} disagrees with the default")
                     continue
-                t = bench(lambda w=w, br=br, bb=bb, g=gather, nw=nw: transposable_mask_triton(w, br, bb, g, nw))
+                t = bench(lambda w=w, c=(br, bb, gather, nw, split): transposable_mask_triton(w, *c))
             except Exception as e:
-                RESULTS["notes"].append(f"mask config {(br, bb, gather, nw)} failed: {str(e)[:200]}")
+                RESULTS["notes"].append(f"mask config {(br, bb, gather, nw, split)} failed: {str(e)[:200]}")
                 continue
             bw = rows * cols * 3 / t / 1e9
-            cfg = dict(br=br, bb=bb, gather=gather, num_warps=nw)
+            cfg = dict(br=br, bb=bb, gather=gather, num_warps=nw, split=split)
             RESULTS["mask"].append({"shape": [rows, cols], **cfg, "ms": t, "TBps": bw, "frac_of_copy": bw / copy_bw})
             if rows == 28672 and (best is None or t < best[0]):
                 best = (t, cfg)
@@ -190,7 +190,7 @@ def _gemm_row(dev, d, dff, tp, lname, out_f, in_f, tokens) -> dict:
     gy = torch.randn(tokens, out_f, device=dev, dtype=torch.bfloat16)
     st = Sparse24Weight(w, transposable_mask(w), backend="cusparselt", name=lname)
     st.refresh(w)
-    ws = st._masked
+    ws = st.dense_weight()
     f_d, dg_d, wg_d = _dense_linear_times(x, ws, gy)
     a_f = lin._search_alg(st.packed, x.t())
     a_d = lin._search_alg(st.packed_t, gy.t())
@@ -210,7 +210,8 @@ def _gemm_row(dev, d, dff, tp, lname, out_f, in_f, tokens) -> dict:
         fwd_dense=f_d, fwd_sparse=f_s, fwd_sparse_alg0=f_s0, alg_fwd=a_f,
         dgrad_dense=dg_d, dgrad_sparse=dg_s, alg_dgrad=a_d,
         wgrad_dense=wg_d, wgrad_sparse_gemm=wg_s, mvue=t_mvue, compress_grad=t_comp_g,
-        value_refresh=t_refresh, fast_refresh=bool(st.fast_refresh), compress_weight_both=t_comp_w,
+        value_refresh=t_refresh, fast_refresh=list(st.fast_refresh), layout_note=st.layout_note,
+        compress_weight_both=t_comp_w,
         mask_search=t_mask,
     )  # fmt: skip
 
@@ -313,7 +314,7 @@ def print_tables() -> None:
     print(f"\ndevice: {RESULTS['device']}  copy bandwidth (read+write): {RESULTS.get('copy_TBps', 0):.2f} TB/s")
     print("mask search (bf16; bytes = weight read + uint8 mask written)")
     for r in RESULTS["mask"]:
-        cfg = f"br={r['br']} bb={r['bb']} gather={int(r['gather'])} warps={r['num_warps']}"
+        cfg = f"br={r['br']} bb={r['bb']} gather={int(r['gather'])} warps={r['num_warps']} split={int(r['split'])}"
         print(f"  {str(r['shape']):>14} {cfg}: {r['ms']:.3f} ms {r['TBps']:.2f} TB/s "
               f"= {100 * r['frac_of_copy']:.0f}% of copy")  # fmt: skip
     print("\nper GEMM, ms (ratio = dense/sparse); wgrad sparse = MVUE + compress(∇Yᵀ) + spmm; refresh = both packings")

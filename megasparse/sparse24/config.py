@@ -20,8 +20,10 @@ class SparsityConfig:
     """Masked-decay factor λ: λ·(¬M ⊙ W) is added to the gradient before the optimizer."""
     dense_finetune_fraction: float = 1.0 / 6.0
     """Final fraction of training run dense (masks dropped)."""
-    mvue: bool = True
-    """MVUE-prune output gradients (2:4 along tokens) for the weight-gradient GEMM."""
+    mvue: bool = False
+    """MVUE-prune output gradients (2:4 along tokens) for the weight-gradient GEMM. Off by default: with torch's
+    cuSPARSELt compression the sparse weight-gradient GEMM loses to dense (docs/decisions/0301), so MVUE only
+    adds variance and an extra pass."""
     backend: str = "auto"
     """auto (cuSPARSELt on GPU when faster, else emulation), cusparselt, or emulate (masked dense)."""
     monitor_only: bool = False

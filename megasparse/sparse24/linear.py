@@ -41,51 +41,72 @@ BACKENDS = ("auto", "cusparselt", "emulate")
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def pack_values_reference(w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Kept values of a row-wise 2:4 masked ``w`` [r, c] as [r, c/2], row-major (torch reference)."""
+def pack_values_reference(w: torch.Tensor, mask: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """Kept values of 2:4 masked ``w`` [r, c] as [r, c/2] row-major; with ``transpose`` those of wᵀ, [c, r/2]."""
+    if transpose:
+        w, mask = w.t(), mask.t()
     return w[mask].reshape(w.shape[0], w.shape[1] // 2)
 
 
 if triton is not None:
 
     @triton.jit
-    def _pack_kernel(w_ptr, m_ptr, o_ptr, R, G, sw0, sw1, sm0, sm1, so0, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        ok = (r[:, None] < R) & (g[None, :] < G)
-        wb = w_ptr + r[:, None] * sw0 + (4 * g[None, :]) * sw1
-        mb = m_ptr + r[:, None] * sm0 + (4 * g[None, :]) * sm1
-        w0 = tl.load(wb, mask=ok, other=0.0)
-        w1 = tl.load(wb + sw1, mask=ok, other=0.0)
-        w2 = tl.load(wb + 2 * sw1, mask=ok, other=0.0)
-        w3 = tl.load(wb + 3 * sw1, mask=ok, other=0.0)
-        k0 = tl.load(mb, mask=ok, other=0) != 0
-        k1 = tl.load(mb + sm1, mask=ok, other=0) != 0
-        k2 = tl.load(mb + 2 * sm1, mask=ok, other=0) != 0
-        k3 = tl.load(mb + 3 * sm1, mask=ok, other=0) != 0
-        first = tl.where(k0, w0, tl.where(k1, w1, w2))
-        second = tl.where(k3, w3, tl.where(k2, w2, w1))
-        ob = o_ptr + r[:, None] * so0 + 2 * g[None, :]
+    def _pack_kernel(w_ptr, m_ptr, o_ptr, R, C, sw, sm, so, TRANS: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr):
+        # Load a [rows, cols] tile of W and of its mask coalesced, keep the first and second kept value of every
+        # group of 4 (along cols, or along rows when TRANS), and store them as contiguous pairs.
+        if TRANS:  # tile [4*BA rows, BB cols]; output rows are W's columns
+            r = tl.program_id(0) * (4 * BA) + tl.arange(0, 4 * BA)
+            c = tl.program_id(1) * BB + tl.arange(0, BB)
+        else:  # tile [BA rows, 4*BB cols]
+            r = tl.program_id(0) * BA + tl.arange(0, BA)
+            c = tl.program_id(1) * (4 * BB) + tl.arange(0, 4 * BB)
+        ok = (r[:, None] < R) & (c[None, :] < C)
+        w = tl.load(w_ptr + r[:, None] * sw + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + r[:, None] * sm + c[None, :], mask=ok, other=0).to(tl.int32)
+        if TRANS:
+            w3 = tl.reshape(w, (BA, 4, BB))
+            m3 = tl.reshape(m, (BA, 4, BB))
+            ax: tl.constexpr = 1
+        else:
+            w3 = tl.reshape(w, (BA, BB, 4))
+            m3 = tl.reshape(m, (BA, BB, 4))
+            ax: tl.constexpr = 2
+        rank = tl.cumsum(m3, axis=ax) * m3  # 1 at the first kept entry, 2 at the second, 0 elsewhere
+        first = tl.sum(tl.where(rank == 1, w3, 0.0), axis=ax)
+        second = tl.sum(tl.where(rank == 2, w3, 0.0), axis=ax)
+        pair = tl.join(first, second)  # [BA, BB, 2]
         ty = o_ptr.dtype.element_ty
-        tl.store(ob, first.to(ty), mask=ok)
-        tl.store(ob + 1, second.to(ty), mask=ok)
+        if TRANS:
+            out = tl.reshape(tl.permute(pair, (1, 0, 2)), (BB, 2 * BA)).to(ty)
+            orow = c
+            ocol = tl.program_id(0) * (2 * BA) + tl.arange(0, 2 * BA)
+            okr = (orow[:, None] < C) & (ocol[None, :] < R // 2)
+        else:
+            out = tl.reshape(pair, (BA, 2 * BB)).to(ty)
+            orow = r
+            ocol = tl.program_id(1) * (2 * BB) + tl.arange(0, 2 * BB)
+            okr = (orow[:, None] < R) & (ocol[None, :] < C // 2)
+        tl.store(o_ptr + orow[:, None] * so + ocol[None, :], out, mask=okr)
 
 
-def pack_values(w: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Kept values of ``w`` ⊙ ``mask`` (row-wise 2:4; any strides, e.g. ``W.t()``) into ``out`` [r, c/2]."""
+def pack_values(
+    w: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None, transpose: bool = False
+) -> torch.Tensor:
+    """Kept values of ``w`` ⊙ ``mask`` (row-major [r, c]) into ``out``: [r, c/2], or [c, r/2] for wᵀ."""
     r, c = w.shape
+    shape = (c, r // 2) if transpose else (r, c // 2)
     if out is None:
-        out = torch.empty(r, c // 2, dtype=w.dtype, device=w.device)
+        out = torch.empty(shape, dtype=w.dtype, device=w.device)
     if not (w.is_cuda and triton is not None):
-        out.copy_(pack_values_reference(w, mask))
+        out.copy_(pack_values_reference(w, mask, transpose))
         return out
-    m8 = mask.view(torch.uint8)
-    # Tile long along whichever input dimension is contiguous, so loads coalesce.
-    br, bg = (128, 8) if w.stride(0) == 1 else (8, 128)
-    grid = (triton.cdiv(r, br), triton.cdiv(c // 4, bg))
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    m8 = mask.contiguous().view(torch.uint8)
+    ba, bb = (32, 64) if transpose else (16, 64)
+    grid = (triton.cdiv(r, 4 * ba if transpose else ba), triton.cdiv(c, bb if transpose else 4 * bb))
     _pack_kernel[grid](
-        w, m8, out, r, c // 4, w.stride(0), w.stride(1), m8.stride(0), m8.stride(1), out.stride(0),
-        BLOCK_R=br, BLOCK_G=bg,
+        w, m8, out, r, c, w.stride(0), m8.stride(0), out.stride(0), TRANS=transpose, BA=ba, BB=bb
     )  # fmt: skip
     return out
 
@@ -193,12 +214,14 @@ class Sparse24Weight:
         self.mask_version = 0
         self._seed = zlib.crc32(name.encode()) & 0xFFFF
         self._calls = 0
-        self._built_from: tuple[int, int] | None = None  # (weight._version, mask_version)
+        self._built_from: tuple[int, int, int] | None = None  # (weight._version, mask_version, data_ptr)
         self._masked: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.packed_t: torch.Tensor | None = None
         self._metadata_mask_version = -1
-        self.fast_refresh: bool | None = None  # None: not yet verified against _cslt_compress
+        self.fast_refresh: list[bool | None] = [None, None]  # per operand (W, Wᵀ); None: not yet verified
+        self.layout_note = ""
+        self._w = weight.detach()
         self.can_sparse = self._sparse_capable(weight)
 
     def _sparse_capable(self, weight: torch.Tensor) -> bool:
@@ -230,38 +253,67 @@ class Sparse24Weight:
         stamp = (weight._version, self.mask_version, weight.data_ptr())
         if not force and self._built_from == stamp:
             return
-        w = weight.detach()
-        self._masked = w * self.mask
+        self._w = weight.detach()
+        self._masked = None  # built on demand: only the masked-dense path needs it
         if self.can_sparse:
-            self._refresh_sparse(w)
+            self._refresh_sparse(self._w)
         self._built_from = stamp
         self.version += 1
 
+    def dense_weight(self) -> torch.Tensor:
+        """W ⊙ M of the last refresh (for the masked-dense GEMMs)."""
+        if self._masked is None:
+            self._masked = self._w * self.mask
+        return self._masked
+
     def _refresh_sparse(self, w: torch.Tensor) -> None:
         r, c = self.shape
-        if self._metadata_mask_version != self.mask_version or not self.fast_refresh:
-            self.packed = torch._cslt_compress(self._masked)
-            self.packed_t = torch._cslt_compress(self._masked.t().contiguous())
-            self._metadata_mask_version = self.mask_version
-            if self.fast_refresh is None:
-                self.fast_refresh = self._verify_value_layout(w)
-            return
-        pack_values(w, self.mask, _values_view(self.packed, r, c))
-        pack_values(w.t(), self.mask.t(), _values_view(self.packed_t, c, r))
+        new_metadata = self._metadata_mask_version != self.mask_version
+        src = None
+        for i, transpose in enumerate((False, True)):
+            rows, cols = (c, r) if transpose else (r, c)
+            if new_metadata or not self.fast_refresh[i]:
+                if src is None:
+                    src = self._metadata_source(w)
+                packed = torch._cslt_compress(src.t().contiguous() if transpose else src)
+                if transpose:
+                    self.packed_t = packed
+                else:
+                    self.packed = packed
+                if self.fast_refresh[i] is None:
+                    self.fast_refresh[i] = self._verify_value_layout(src, packed, transpose)
+                if not self.fast_refresh[i]:
+                    continue
+            # values only: the metadata already encodes the mask
+            dst = _values_view(self.packed_t if transpose else self.packed, rows, cols)
+            pack_values(w, self.mask, dst, transpose)
+        self._metadata_mask_version = self.mask_version
 
-    def _verify_value_layout(self, w: torch.Tensor) -> bool:
-        """Check that _cslt_compress stores the kept values row-major before its metadata (then values can be
-        rewritten in place); otherwise every refresh recompresses (slower, always correct)."""
+    def _metadata_source(self, w: torch.Tensor) -> torch.Tensor:
+        """W ⊙ M with kept exact zeros nudged to the dtype's smallest normal: _cslt_compress derives positions
+        from non-zeros, so a kept zero could otherwise be encoded at another position than the mask says."""
+        src = torch.where(self.mask, w, torch.zeros((), dtype=w.dtype, device=w.device))
+        return src.masked_fill_(self.mask & (w == 0), torch.finfo(w.dtype).tiny)
+
+    def _verify_value_layout(self, w: torch.Tensor, packed: torch.Tensor, transpose: bool) -> bool:
+        """Does _cslt_compress store the kept values row-major ahead of its metadata? Then values can be rewritten
+        in place each step; otherwise this operand is recompressed at every refresh (slower, always correct)."""
         r, c = self.shape
-        ok = torch.equal(_values_view(self.packed, r, c), pack_values(w, self.mask)) and torch.equal(
-            _values_view(self.packed_t, c, r), pack_values(w.t(), self.mask.t())
-        )
-        log.info("sparse24: %s in-place value refresh %s", self.name, "verified" if ok else "unavailable: recompress")
+        rows, cols = (c, r) if transpose else (r, c)
+        mine = pack_values(w, self.mask, transpose=transpose)
+        theirs = _values_view(packed, rows, cols)
+        ok = torch.equal(theirs, mine)
+        if not ok:
+            same_set = torch.equal(theirs.flatten().sort().values, mine.flatten().sort().values)
+            rows_ok = float((theirs == mine).all(dim=1).float().mean())
+            self.layout_note = (
+                f"{'Wt' if transpose else 'W'} {rows}x{cols}: permuted={same_set} rows_equal={rows_ok:.3f}"
+            )
+        log.info(
+            "sparse24: %s %s in-place value refresh %s",
+            self.name, "Wᵀ" if transpose else "W", "verified" if ok else "unavailable, recompressing",
+        )  # fmt: skip
         return ok
-
-    def masked_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        self.refresh(weight)
-        return self._masked
 
     def next_seed(self) -> int:
         self._calls += 1
@@ -274,7 +326,7 @@ class Sparse24Weight:
 
 
 def _plan(x: torch.Tensor, state: Sparse24Weight, mvue: bool) -> dict | None:
-    if not state.can_sparse or x.dtype != state._masked.dtype or x.shape[0] % 8:
+    if not state.can_sparse or x.dtype != state._w.dtype or x.shape[0] % 8:
         return None
     return decide(state.shape[0], state.shape[1], x.shape[0], x.dtype, x.device, mvue)
 
@@ -286,7 +338,7 @@ def sparse24_forward(x: torch.Tensor, weight: torch.Tensor, state: Sparse24Weigh
     if plan is not None and plan["sparse"]:
         x = x.contiguous()
         return torch._cslt_sparse_mm(state.packed, x.t(), transpose_result=True, alg_id=plan["alg_fwd"])
-    return x @ state._masked.t()
+    return x @ state.dense_weight().t()
 
 
 def sparse24_backward(
@@ -307,15 +359,15 @@ def sparse24_backward(
         if plan is not None and plan["sparse"]:
             gx = torch._cslt_sparse_mm(state.packed_t, gy.t(), transpose_result=True, alg_id=plan["alg_dgrad"])
         else:
-            gx = gy @ state._masked
+            gx = gy @ state.dense_weight()
     if need_weight_grad:
         if mvue and gy.shape[0] % 4 == 0:
-            buf = torch.empty(gy.shape[1], gy.shape[0], dtype=gy.dtype, device=gy.device)  # MVUE(∇Y)ᵀ, row-major
-            mvue24(gy, 0, seed=state.next_seed(), out=buf.t())
             if plan is not None and plan.get("sparse_wgrad"):
+                buf = torch.empty(gy.shape[1], gy.shape[0], dtype=gy.dtype, device=gy.device)  # MVUE(∇Y)ᵀ row-major
+                mvue24(gy, 0, seed=state.next_seed(), out=buf.t())
                 gw = torch._cslt_sparse_mm(torch._cslt_compress(buf), x.contiguous())
-            else:
-                gw = buf @ x
+            else:  # same estimator, natural layout (coalesced writes), dense GEMM
+                gw = mvue24(gy, 0, seed=state.next_seed()).t() @ x
         else:
             gw = gy.t() @ x
         gw = gw.to(weight.dtype)

@@ -104,6 +104,13 @@ def is_transposable_24(mask: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _score(a, pat, DOT: tl.constexpr):
+        if DOT == 0:  # fp32 operands, full precision (fp32 weights, and the CPU interpreter)
+            return tl.dot(a.to(tl.float32), pat, input_precision="ieee")
+        # bf16/fp16 |w| times exact 0/1 on tensor cores, fp32 accumulation: exact products
+        return tl.dot(a, pat.to(a.dtype))
+
+    @triton.jit
     def _mask_kernel(
         w_ptr,
         mask_ptr,
@@ -119,6 +126,7 @@ if triton is not None:
         PADP: tl.constexpr,
         DOT: tl.constexpr,
         GATHER: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         # One program: BR x BB 4x4 blocks (4*BR rows, 4*BB columns).
         NB: tl.constexpr = BR * BB
@@ -136,14 +144,20 @@ if triton is not None:
             inb = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
             w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=inb, other=0.0)
             a = tl.reshape(tl.permute(tl.reshape(tl.abs(w), (BR, 4, BB, 4)), (0, 2, 1, 3)), (NB, 16))
-        p = tl.arange(0, PADP)
-        pat = tl.load(pat_ptr + k[:, None] * PADP + p[None, :])  # [16, PADP] 0/1
-        if DOT == 0:  # fp32 operands, full precision (fp32 weights, and the CPU interpreter)
-            scores = tl.dot(a.to(tl.float32), pat, input_precision="ieee")
-        else:  # bf16/fp16 |w| times exact 0/1 on tensor cores, fp32 accumulation: exact products
-            scores = tl.dot(a, pat.to(a.dtype))
-        scores = tl.where(p[None, :] < NPAT, scores, -1.0)
-        best = tl.argmax(scores, axis=1)  # [NB]; first maximum wins, like torch.argmax
+        if SPLIT:  # 90 = 64 + 26: two dots of widths 64 and 32 score 96 columns instead of 128
+            p1 = tl.arange(0, 64)
+            p2 = tl.arange(0, 32)
+            s1 = _score(a, tl.load(pat_ptr + k[:, None] * PADP + p1[None, :]), DOT)
+            s2 = _score(a, tl.load(pat_ptr + k[:, None] * PADP + 64 + p2[None, :]), DOT)
+            s2 = tl.where(p2[None, :] < NPAT - 64, s2, -1.0)
+            b1 = tl.argmax(s1, axis=1)
+            b2 = tl.argmax(s2, axis=1)
+            best = tl.where(tl.max(s2, axis=1) > tl.max(s1, axis=1), b2 + 64, b1)  # ties: lower index, like argmax
+        else:
+            p = tl.arange(0, PADP)
+            scores = _score(a, tl.load(pat_ptr + k[:, None] * PADP + p[None, :]), DOT)  # [NB, PADP]
+            scores = tl.where(p[None, :] < NPAT, scores, -1.0)
+            best = tl.argmax(scores, axis=1)  # [NB]; first maximum wins, like torch.argmax
         code = tl.load(code_ptr + best)  # 16-bit pattern code per block
         bits = ((code[:, None] >> k[None, :]) & 1).to(tl.uint8)  # [NB, 16]
         if GATHER:
@@ -162,7 +176,7 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _device_tables[key]
 
 
-MASK_KERNEL_CONFIG = {"br": 1, "bb": 32, "gather": False, "num_warps": 4}
+MASK_KERNEL_CONFIG = {"br": 2, "bb": 64, "gather": True, "split": False, "num_warps": 4}
 """Launch shape of the mask kernel (from the H100 sweep in benchmarks/bench_sparse24.py)."""
 
 
@@ -172,13 +186,16 @@ def transposable_mask_triton(
     bb: int | None = None,
     gather: bool | None = None,
     num_warps: int | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """Triton launcher: one program per br x bb 4x4 blocks; returns a bool mask."""
     if triton is None:
         raise RuntimeError("triton is not installed; use transposable_mask_reference")
     check_mask_shape(w.shape)
     cfg = dict(MASK_KERNEL_CONFIG)
-    cfg.update({k: v for k, v in dict(br=br, bb=bb, gather=gather, num_warps=num_warps).items() if v is not None})
+    cfg.update(
+        {k: v for k, v in dict(br=br, bb=bb, gather=gather, num_warps=num_warps, split=split).items() if v is not None}
+    )
     w = w.detach()
     if w.stride(1) != 1:
         w = w.contiguous()
@@ -199,7 +216,7 @@ def transposable_mask_triton(
     grid = (math.ceil(r / (4 * br_)), math.ceil(c / (4 * bb_)))
     _mask_kernel[grid](
         w, out, pat, codes, r, c, w.stride(0), out.stride(0), BR=br_, BB=bb_, NPAT=NUM_PATTERNS,
-        PADP=_PAD_PATTERNS, DOT=dot, GATHER=bool(cfg["gather"]), num_warps=cfg["num_warps"],
+        PADP=_PAD_PATTERNS, DOT=dot, GATHER=bool(cfg["gather"]), SPLIT=bool(cfg["split"]), num_warps=cfg["num_warps"],
     )  # fmt: skip
     return out.view(torch.bool)
 
