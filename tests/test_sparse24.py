@@ -311,3 +311,27 @@ def test_decay_search_helpers():
 def test_decay_search_cli_reports_bad_config(tmp_path, capsys):
     assert sparsity_main(["decay-search", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_decay_search_orchestration(monkeypatch, tmp_path, capsys):
+    """The CLI runs one dense monitor-only run and one sparse run per λ, and recommends the smallest feasible λ.
+
+    The trainer is replaced by a flip-rate model (sparse rate falls with λ) because megasparse.train does not
+    expose run_training yet; the configs it receives are the real parsed ones."""
+    import megasparse.train as train_mod
+
+    seen = []
+
+    def fake_run_training(cfg):
+        seen.append((cfg.sparsity.monitor_only, cfg.sparsity.decay, cfg.train.steps, cfg.sparsity.enabled))
+        rate = 0.1 if cfg.sparsity.monitor_only else 0.1 * 1.2 / (1 + cfg.sparsity.decay * 1e5)
+        return {"flip_rates": [{}, {"all": rate}], "losses": [1.0, 0.9]}
+
+    monkeypatch.setattr(train_mod, "run_training", fake_run_training, raising=False)
+    out = tmp_path / "d.json"
+    rc = sparsity_main(["decay-search", "configs/cpu_toy.yaml", "--decays", "1e-7,3e-6,1e-5", "--steps", "4"])
+    assert rc == 0
+    rc = sparsity_main(["decay-search", "configs/cpu_toy.yaml", "--decays", "1e-6", "--json", str(out)])
+    assert rc == 1 and out.exists()  # μ = 1.09: not feasible
+    assert seen[0][0] is True and all(s[3] for s in seen) and seen[1][2] == 4
+    assert "recommended sparsity.decay=3e-06" in capsys.readouterr().out

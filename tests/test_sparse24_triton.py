@@ -33,7 +33,7 @@ def _masks() -> None:
     )
 
     for dtype in (torch.float32, torch.bfloat16):
-        for shape in ((4, 4), (12, 136)):  # 136/4 = 34 blocks: a partial second tile at bb=16  # 320/4 = 80 blocks: a partial second strip at block_b=64
+        for shape in ((4, 4), (12, 136)):  # 136/4 = 34 blocks: a partial second tile at bb=16
             w = torch.randn(*shape).to(dtype)
             w[:4, :4] = 0.5  # ties
             r = transposable_mask_reference(w)

@@ -219,7 +219,7 @@ class Sparse24Weight:
         self.packed: torch.Tensor | None = None
         self.packed_t: torch.Tensor | None = None
         self._metadata_mask_version = -1
-        self.fast_refresh: list[bool | None] = [None, None]  # per operand (W, Wᵀ); None: not yet verified
+        self.fast_refresh: list[bool | None] = [None, None]  # per operand (W, Wᵀ), for the current mask
         self.layout_note = ""
         self._w = weight.detach()
         self.can_sparse = self._sparse_capable(weight)
@@ -280,7 +280,7 @@ class Sparse24Weight:
                     self.packed_t = packed
                 else:
                     self.packed = packed
-                if self.fast_refresh[i] is None:
+                if new_metadata:  # re-checked at every metadata build: a mismatch is data-dependent (decision 0300)
                     self.fast_refresh[i] = self._verify_value_layout(src, packed, transpose)
                 if not self.fast_refresh[i]:
                     continue
@@ -297,7 +297,7 @@ class Sparse24Weight:
 
     def _verify_value_layout(self, w: torch.Tensor, packed: torch.Tensor, transpose: bool) -> bool:
         """Does _cslt_compress store the kept values row-major ahead of its metadata? Then values can be rewritten
-        in place each step; otherwise this operand is recompressed at every refresh (slower, always correct)."""
+        in place each step; otherwise this operand is recompressed at every refresh of this mask (slower, correct)."""
         r, c = self.shape
         rows, cols = (c, r) if transpose else (r, c)
         mine = pack_values(w, self.mask, transpose=transpose)
