@@ -45,11 +45,13 @@ class KernelConfig:
     block_d: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    group_m: int = 8
+    """Backward only: row blocks that visit each vocabulary tile back to back."""
 
 
 FWD_CONFIG = KernelConfig(128, 256, 64, 8, 3)
-BWD_CONFIG = KernelConfig(128, 256, 64, 8, 3)
-_SMALL = KernelConfig(16, 32, 16, 4, 1)  # interpreter / tiny problems
+BWD_CONFIG = KernelConfig(128, 128, 128, 8, 3, 8)
+_SMALL = KernelConfig(16, 32, 16, 4, 1, 2)  # interpreter / tiny problems
 
 
 def backend_for(t: Tensor) -> str:
@@ -126,14 +128,19 @@ if triton is not None:
     def _bwd_kernel(
         E, C, T, LSE, GS, GT, PERM, DE, DC, DE_LOCK, DC_LOCK,
         N, D, n_valid, stride_e, stride_c, stride_de, stride_dc, softcap, eps,
-        HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr, HAS_PERM: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):  # fmt: skip
+        # grouped order: GROUP_M row blocks share each vocabulary tile back to back (C read from HBM once per
+        # group, E of the group stays in L2), while a tile's dC locks see at most GROUP_M contenders at a time
         pid = tl.program_id(0)
         num_m = tl.cdiv(N, BLOCK_M)
-        pid_m = pid % num_m
-        pid_v = pid // num_m
+        per_group = GROUP_M * tl.cdiv(n_valid, BLOCK_V)
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_v = (pid % per_group) // group_m
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < N
         pos = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -303,7 +310,7 @@ def _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter
         gt.float().contiguous(), perm_t, d_e, d_c, locks[0], locks[1],
         n, d, n_valid, h.stride(0), w.stride(0), d_e.stride(0), d_c.stride(0),
         float(softcap or 1.0), float(filter_eps or 0.0),
-        HAS_SOFTCAP=softcap is not None, FILTER=filter_eps is not None, HAS_PERM=perm is not None,
+        HAS_SOFTCAP=softcap is not None, FILTER=filter_eps is not None, HAS_PERM=perm is not None, GROUP_M=cfg.group_m,
         BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, EVEN_D=d % cfg.block_d == 0,
         DOT_PREC=_dot_prec(h), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
