@@ -205,6 +205,8 @@ def summary(doc: dict) -> str:
         f"steps {warm}..{steps - 1}" + (f" (first {warm} step(s) excluded as warm-up)." if warm else ".")
     )
     recs = run_records(doc, primary)
+    if not recs:
+        head += "\n\nNo transfers were recorded: a single rank (tp = pp = dp = 1) communicates nothing."
     parts = [head, f"### {primary}: per (phase, kind, group)", group_table(group_records(recs))]
     dense_cls = None
     if anchor:
