@@ -263,12 +263,15 @@ class Trainer:
                     g.copy_(v)
 
     def _grad_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            if self.model.param_is_sharded(name) or self.lay.tp_rank == 0:
-                sq += p.grad.double().pow(2).sum()
+        """Global L2 norm: TP shards summed over the model-parallel group, TP-replicated params counted once."""
+        grads = [
+            p.grad
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and (self.model.param_is_sharded(name) or self.lay.tp_rank == 0)
+        ]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
         with comm.phase("optim"):
             comm.all_reduce(sq, state.mp_group(), "mp", region="grads.norm")
         return math.sqrt(sq.item())
@@ -290,9 +293,7 @@ class Trainer:
         gnorm = self._grad_norm()
         clip = self.cfg.optim.grad_clip
         if clip > 0 and gnorm > clip:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(clip / (gnorm + 1e-6))
+            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], clip / (gnorm + 1e-6))
         self.optimizer.step()
         loss = self._global_mean(loss_sum, tokens)
         if self.device.type == "cuda":
