@@ -115,6 +115,7 @@ class Trainer:
             device=self.device,
             compute_dtype=self.compute_dtype,
             sequence_parallel=cfg.parallel.sequence_parallel,
+            loss=cfg.loss,
         )
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]

@@ -84,6 +84,14 @@ def assert_close(got: dict, ref: dict, tol: float = 1e-5):
         assert err < tol, (k, err)
 
 
+def test_cce_loss_collider_matches_reference():
+    res = run_distributed(
+        grads_of, 1, ["filter.mode=collider", "filter.keep_ratio=0.5", "loss.impl=cce", "loss.filter_eps=null"]
+    )[0]
+    assert_close(res["grads"], reference_grads(res, "collider", 0.5))
+    assert res["densified"] == 0
+
+
 def test_keep_ratio_one_is_dense():
     dense = run_distributed(grads_of, 1, [])[0]
     full = run_distributed(grads_of, 1, ["filter.mode=collider", "filter.keep_ratio=1.0"])[0]
@@ -114,6 +122,11 @@ LAYOUTS = {
     "pp2": (2, ["parallel.pp=2"], "microbatch"),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], "microbatch"),
     "dp2": (2, [], "microbatch"),
+    "tp2_sp_cce": (
+        2,
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "loss.impl=cce", "loss.filter_eps=null"],
+        "microbatch",
+    ),
 }
 
 

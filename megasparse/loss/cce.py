@@ -383,8 +383,13 @@ class VocabParallelCCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, keep_idx: Tensor | None, group, opt: CCEOptions):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, keep_idx, group, opt: CCEOptions):
         from megasparse.parallel import vocab
+
+        keep = keep_idx
+        keep_idx = keep_idx if isinstance(keep_idx, Tensor) else None
+        h_shape = hidden.shape  # [s, b, h] from the model, [n, h] from direct callers
+        hidden = hidden.reshape(-1, h_shape[-1])
 
         h_full = vocab.gather_rows(hidden, group, opt.sequence_parallel)
         n = targets.numel()
@@ -407,7 +412,10 @@ class VocabParallelCCE(torch.autograd.Function):
             perm = torch.argsort(sums[: opt.n_valid], descending=True, stable=True)
         lse_full = lse if vrows is None else torch.zeros(n, device=lse.device).index_copy_(0, vrows, lse)
         ctx.save_for_backward(h_full, weight, targets, lse_full, keep_idx, valid, perm)
-        ctx.group, ctx.opt, ctx.n_local = group, opt, hidden.shape[0]
+        ctx.group, ctx.opt, ctx.n_local, ctx.h_shape = group, opt, hidden.shape[0], h_shape
+        # ``keep_idx`` may instead be a holder whose ``meta`` the trainer fills after selection.
+        ctx.keep = keep
+
         return loss
 
     @staticmethod
@@ -417,6 +425,9 @@ class VocabParallelCCE(torch.autograd.Function):
         h_full, weight, targets, lse, keep_idx, valid, perm = ctx.saved_tensors
         opt: CCEOptions = ctx.opt
         n = targets.numel()
+        meta = getattr(ctx.keep, "meta", None)
+        if meta is not None:  # trainer's Collider path: kept rows chosen after the forward, compact dE out
+            keep_idx = meta.idx
         if keep_idx is not None:
             mask = torch.zeros(n, dtype=torch.bool, device=targets.device)
             mask[keep_idx] = True
@@ -433,6 +444,15 @@ class VocabParallelCCE(torch.autograd.Function):
             _rows_or_all(h_full, rows), weight, t_r, lse_r, gs, g, opt.n_valid, opt.softcap, opt.filter_eps,
             perm, opt.accum_fp32, opt.backend,
         )  # fmt: skip
+        if meta is not None:
+            return (
+                vocab.compact_kept_grad(d_e, rows, meta, ctx.group, opt.sequence_parallel, ctx.h_shape),
+                d_c,
+                None,
+                None,
+                None,
+                None,
+            )
         with comm.phase("backward"):
             d_h = vocab.reduce_kept_grad(d_e, rows, n, ctx.group, opt.sequence_parallel)
-        return d_h, d_c, None, None, None, None
+        return d_h.view(ctx.h_shape), d_c, None, None, None, None

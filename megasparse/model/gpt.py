@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from megasparse.loss import vocab_parallel_loss
+from megasparse.loss.config import LossConfig
 from megasparse.model.config import ModelConfig
 from megasparse.ops.attention import attention, rope_tables
 from megasparse.ops.rowwise import rms_norm, swiglu
@@ -103,6 +105,7 @@ class GPTStage(nn.Module):
         device,
         compute_dtype: torch.dtype,
         sequence_parallel: bool = False,
+        loss: LossConfig | None = None,
     ):
         super().__init__()
         lay = state.layout()
@@ -110,6 +113,7 @@ class GPTStage(nn.Module):
         self.vocab_size = vocab_size
         self.compute_dtype = compute_dtype
         self.sp = sequence_parallel
+        self.loss_cfg = loss or LossConfig()
         self.first, self.last = lay.is_first_stage, lay.is_last_stage
         start = sum(layers_per_stage[: lay.pp_rank])
         self.layer_ids = list(range(start, start + layers_per_stage[lay.pp_rank]))
@@ -143,6 +147,18 @@ class GPTStage(nn.Module):
         if not self.last:
             return x
         x = self.final_norm(x)
+        if self.loss_cfg.impl == "cce":
+            return vocab_parallel_loss(
+                x,
+                self.output_weight.to(self.compute_dtype),
+                targets,
+                self.loss_cfg,
+                vocab_start=self.vocab_start,
+                vocab_size=self.vocab_size,
+                tp_group=state.tp_group(),
+                sequence_parallel=self.sp,
+                keep_idx=keep,
+            )
         return vocab_parallel_ce(
             x,
             self.output_weight,

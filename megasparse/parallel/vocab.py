@@ -92,6 +92,23 @@ def reduce_kept_grad(d_rows: Tensor, rows: Tensor | None, n_total: int, group, s
     return out
 
 
+def compact_kept_grad(d_rows: Tensor, rows: Tensor, meta, group, sequence_parallel: bool, h_shape) -> Tensor:
+    """dE of the kept rows as a compact gradient for the filtered backward (only kept rows travel)."""
+    from megasparse.ops.compact import CompactGrad
+    from megasparse.parallel import rows as rowops
+    from megasparse.parallel import state
+
+    if rows.numel() != meta.idx.numel():
+        raise ValueError("compact dE needs every kept row to have a valid target (no ignore_index among kept rows)")
+    lay = state.layout()
+    with comm.phase("backward"):
+        if sequence_parallel and tp_size(group) > 1:
+            local_rows, local = rowops.reduce_scatter_rows(d_rows, meta, group, lay.tp, lay.tp_rank, REGION)
+            return CompactGrad(local_rows.to(d_rows.dtype), local, h_shape)
+        comm.all_reduce(d_rows, group, GROUP, region=REGION)
+    return CompactGrad(d_rows, meta, h_shape)
+
+
 class GatherRows(torch.autograd.Function):
     """Megatron's copy-to / gather-from-SP region: identity or all-gather forward, all-reduce or reduce-scatter back."""
 
