@@ -78,6 +78,8 @@ def format_line(rec: dict) -> str:
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
     parts.append(f"mem {rec['mem_gib']:.2f} GiB")
+    if rec.get("flip_rate"):
+        parts.append(f"flip {rec['flip_rate'].get('all', 0.0):.4f}")
     if rec.get("val_loss") is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
     return " | ".join(parts)

@@ -117,6 +117,7 @@ class Trainer:
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss=cfg.loss,
         )
+        self.sparsity = self._build_sparsity() if cfg.sparsity.enabled else None
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
         o = cfg.optim
@@ -142,6 +143,24 @@ class Trainer:
         self.flops_tok = flops_per_token(m, self.vocab_padded)
         self.peak = peak_tflops(self.device)
         self.out_dir = Path(cfg.logging.out_dir)
+
+    # -- 2:4 sparse FFNs ----------------------------------------------------------------------------
+    def _build_sparsity(self):
+        """A SparsityManager over this rank's FFN shards; each shard keeps its own transposable masks."""
+        from megasparse.sparse24.gemm import Sparse24Gemm
+        from megasparse.sparse24.recipe import SparsityManager
+
+        sc = self.cfg.sparsity
+        wanted = None if sc.layers == "all" else {int(x) for x in sc.layers.split(",")}
+        linears = {}
+        for block in self.model.layers:
+            if wanted is None or block.layer in wanted:
+                for lin in (block.mlp.fc1, block.mlp.fc2):
+                    linears[lin.pname + ".weight"] = lin
+        manager = SparsityManager({n: lin.weight for n, lin in linears.items()}, sc, self.cfg.train.steps)
+        for n, lin in linears.items():
+            lin.gemm = Sparse24Gemm(manager, n, lin.weight, self.compute_dtype, sc.mvue)
+        return manager
 
     # -- token filtering ---------------------------------------------------------------------------
     def _kept_rows(self) -> int:
@@ -295,13 +314,21 @@ class Trainer:
         clip = self.cfg.optim.grad_clip
         if clip > 0 and gnorm > clip:
             torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], clip / (gnorm + 1e-6))
+        if self.sparsity is not None:
+            self.sparsity.apply_masked_decay()
         self.optimizer.step()
+        extra = {}
+        if self.sparsity is not None:
+            rates = self.sparsity.after_step(self.step + 1)
+            if rates:
+                extra["flip_rate"] = rates
+            extra["sparse"] = self.sparsity.sparse
         loss = self._global_mean(loss_sum, tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.step += 1
         self.consumed += self.cfg.train.global_batch_size
-        return StepResult(loss, gnorm, lr, tokens, time.perf_counter() - t0)
+        return StepResult(loss, gnorm, lr, tokens, time.perf_counter() - t0, extra)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -312,7 +339,11 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _extra(self) -> dict:
-        return {"step": torch.tensor(self.step), "consumed": torch.tensor(self.consumed)}
+        extra = {"step": torch.tensor(self.step), "consumed": torch.tensor(self.consumed)}
+        if self.sparsity is not None:  # masks travel with the weights
+            extra.update({f"mask.{n}": m.to(torch.uint8) for n, m in self.sparsity.masks.items()})
+            extra["sparsity_dense"] = torch.tensor(int(self.sparsity.dense))
+        return extra
 
     def save(self) -> Path:
         return ckpt.save(
@@ -328,6 +359,9 @@ class Trainer:
         where = ckpt.resolve_resume(path)
         extra = ckpt.load(where, self.model, self.optimizer, self._extra())
         self.step, self.consumed = int(extra["step"]), int(extra["consumed"])
+        if self.sparsity is not None:
+            masks = {k[len("mask.") :]: v.bool() for k, v in extra.items() if k.startswith("mask.")}
+            self.sparsity.load_state_dict({"step": self.step, "dense": bool(extra["sparsity_dense"]), "masks": masks})
         log0(f"resumed from {where} at step {self.step}")
 
     # -- the loop -------------------------------------------------------------------------------
@@ -376,6 +410,17 @@ class Trainer:
                 log0(f"saved checkpoint {where}")
         log.close()
         return history
+
+
+def run_training(cfg: Config) -> dict:
+    """Train ``cfg`` in this process group and return the per-step history (used by `sparsity decay-search`)."""
+    tr = Trainer(cfg, init_groups=not dist.is_initialized())
+    history = tr.fit()
+    return {
+        "losses": [r["loss"] for r in history],
+        "flip_rates": [r.get("flip_rate", {}) for r in history],
+        "history": history,
+    }
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:

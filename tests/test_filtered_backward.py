@@ -139,3 +139,32 @@ def test_collider_layout_matches_reference(name):
     ref = reference_grads(res[0], "collider", 0.6, gran, sp)
     assert_close(res[0]["grads"], ref)
     assert all(r["densified"] == 0 for r in res)
+
+
+def run_steps(overrides: list[str], steps: int) -> list[float]:
+    from megasparse.config import load_config
+    from megasparse.ops.compact import densify_count
+    from megasparse.train import Trainer
+
+    tr = Trainer(load_config(None, BASE + overrides))
+    losses = [tr.train_step().loss for _ in range(steps)]
+    assert densify_count() == 0
+    return losses
+
+
+@pytest.mark.slow
+def test_all_three_accelerations_compose_under_tp_sp():
+    """Collider filtering + CCE loss + 2:4 sparse FFNs together at TP=2 with SP: trains, never densifies."""
+    ov = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "filter.mode=collider",
+        "filter.keep_ratio=0.6",
+        "loss.impl=cce",
+        "sparsity.enabled=true",
+        "sparsity.refresh_interval=2",
+        "train.steps=4",
+    ]
+    res = run_distributed(run_steps, 2, ov, 4)
+    assert res[0] == res[1]
+    assert all(torch.isfinite(torch.tensor(res[0])))

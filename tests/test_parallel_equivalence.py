@@ -60,6 +60,28 @@ LAYOUTS = {
 }
 
 
+SPARSE = [
+    "sparsity.enabled=true",
+    "sparsity.refresh_interval=2",
+    "sparsity.decay=1e-2",
+    "sparsity.dense_finetune_fraction=0.2",
+]
+
+
+@pytest.mark.slow
+def test_sparse24_tp2_matches_single_process():
+    """2:4 FFNs: each TP shard keeps its own masks, and the result equals one process with whole matrices."""
+    one = run_distributed(train_and_collect, 1, SPARSE, STEPS)[0]
+    two = run_distributed(train_and_collect, 2, SPARSE + ["parallel.tp=2"], STEPS)[0]
+    for a, b in zip(two["losses"], one["losses"]):
+        assert abs(a - b) / abs(b) < 1e-5
+    worst = max(rel(two["weights"][k], one["weights"][k]) for k in one["weights"])
+    assert worst < 1e-5, worst
+    # Sparse training is really different from dense training.
+    dense = run_distributed(train_and_collect, 1, [], 2)[0]
+    assert abs(dense["losses"][1] - one["losses"][1]) > 1e-4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(single, name):

@@ -1,0 +1,60 @@
+"""The 2:4 sparse GEMMs behind a tensor-parallel linear layer (fc1 / fc2 of a sparse FFN).
+
+``ColumnParallelLinear`` / ``RowParallelLinear`` call ``gemm.fwd / dgrad / wgrad`` on rows; this adapter routes
+those through the layer's ``Sparse24Weight`` while the recipe says the layer is sparse, and through plain dense
+GEMMs otherwise (dense fine-tuning, monitor-only). Parameters are fp32 masters while compute may be bf16: the
+sparse operands are then built from a bf16 copy made once per optimizer step (not per micro-batch), with the
+mask the recipe owns. The backward works on whatever rows it is given, so token filtering's compact rows pass
+straight through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megasparse.sparse24.linear import Sparse24Weight, sparse24_backward, sparse24_forward
+from megasparse.sparse24.recipe import SparsityManager
+
+
+class Sparse24Gemm:
+    def __init__(
+        self, manager: SparsityManager, name: str, param: torch.nn.Parameter, compute_dtype: torch.dtype, mvue: bool
+    ):
+        self.manager, self.name, self.param, self.dtype, self.mvue = manager, name, param, compute_dtype, mvue
+        self._w = None
+        self._ver = -1
+        self._state: Sparse24Weight | None = None
+        self._mask = None
+
+    def _operands(self) -> tuple[Sparse24Weight | None, torch.Tensor | None]:
+        st = self.manager.state(self.name)
+        if st is None:
+            return None, None
+        if self.param.dtype == self.dtype:
+            return st, self.param
+        if self._w is None or self._ver != self.param._version:
+            self._w = self.param.detach().to(self.dtype)
+            self._ver = self.param._version
+        mask = self.manager.masks[self.name]
+        if self._state is None:
+            self._state = Sparse24Weight(self._w, mask, backend=self.manager.cfg.backend, name=self.name)
+        elif self._mask is not mask:
+            self._state.set_mask(mask)
+        self._mask = mask
+        return self._state, self._w
+
+    def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        st, wt = self._operands()
+        return x2d @ w.t() if st is None else sparse24_forward(x2d, wt, st)
+
+    def dgrad(self, g2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        st, wt = self._operands()
+        if st is None:
+            return g2d @ w
+        return sparse24_backward(g2d, None, wt, st, self.mvue, need_input_grad=True, need_weight_grad=False)[0]
+
+    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        st, wt = self._operands()
+        if st is None or not self.mvue:
+            return g2d.t() @ x2d  # straight-through: the dense weight gets the dense gradient
+        return sparse24_backward(g2d, x2d, wt, st, True, need_input_grad=False, need_weight_grad=True)[1]
