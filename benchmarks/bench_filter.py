@@ -29,12 +29,24 @@ from megasparse.train import Trainer
 
 def overrides(a, mode: str, keep: float, seq: int) -> list[str]:
     return [
-        "data.prefix=synthetic", "model.vocab_size=32000", f"model.seq_length={seq}", "model.hidden_size=2048",
-        "model.num_attention_heads=32", "model.num_query_groups=4", "model.ffn_hidden_size=5632",
-        f"model.num_layers={a.layers}", f"parallel.tp={a.tp}", f"parallel.sequence_parallel={str(a.sp).lower()}",
-        "train.micro_batch_size=1", f"train.global_batch_size={a.dp}", "train.eval_interval=0",
-        f"filter.mode={mode}", f"filter.keep_ratio={keep}", "filter.scorer=loss",
-        f"filter.granularity={'shard' if a.sp else 'sequence'}", "checkpoint.save_at_end=false",
+        "data.prefix=synthetic",
+        "model.vocab_size=32000",
+        f"model.seq_length={seq}",
+        "model.hidden_size=2048",
+        "model.num_attention_heads=32",
+        "model.num_query_groups=4",
+        "model.ffn_hidden_size=5632",
+        f"model.num_layers={a.layers}",
+        f"parallel.tp={a.tp}",
+        f"parallel.sequence_parallel={str(a.sp).lower()}",
+        "train.micro_batch_size=1",
+        f"train.global_batch_size={a.dp}",
+        "train.eval_interval=0",
+        f"filter.mode={mode}",
+        f"filter.keep_ratio={keep}",
+        "filter.scorer=loss",
+        f"filter.granularity={'shard' if a.sp else 'sequence'}",
+        "checkpoint.save_at_end=false",
     ]
 
 
@@ -79,7 +91,20 @@ def time_step(tr: Trainer, iters: int, warmup: int) -> dict:
         if it >= warmup:
             for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
                 phases[k].append(dt * 1e3)
-    return {k: statistics.median(v) for k, v in phases.items()}
+    out = {k: statistics.median(v) for k, v in phases.items()}
+    # One more step with every transfer recorded (and, on GPU, timed in isolation): backward traffic and time.
+    rec = comm.CommRecorder(time_on_gpu=torch.cuda.is_available())
+    with comm.recording(rec):
+        time_step_once(tr)
+    bwd = [r for r in rec.records if r.phase == "backward"]
+    out["bwd_comm_mb"] = sum(r.bytes for r in bwd) / 2**20
+    out["bwd_comm_ms"] = sum(r.duration_ms or 0.0 for r in bwd)
+    return out
+
+
+def time_step_once(tr: Trainer) -> None:
+    tr.cfg.train.eval_interval = 0
+    tr.train_step()
 
 
 def main() -> int:
@@ -107,8 +132,12 @@ def main() -> int:
             cfg.train.device, cfg.train.dtype = "cpu", "fp32"
         tr = Trainer(cfg, init_groups=False)
         r = time_step(tr, a.iters, a.warmup)
-        r.update(mode=mode, keep=keep, seq=seq, mem_gib=torch.cuda.max_memory_allocated() / 2**30
-                 if torch.cuda.is_available() else 0.0)
+        r.update(
+            mode=mode,
+            keep=keep,
+            seq=seq,
+            mem_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+        )
         del tr
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -123,11 +152,25 @@ def main() -> int:
             dense = run("off", 1.0, seq) if seq != a.seq else main_rows[0]
             for keep in (0.9, 0.75, 0.6, 0.45, 0.3):
                 c = run("collider", keep, seq)
-                sweep.append({"seq": seq, "keep": keep, "step_speedup": dense["step"] / c["step"],
-                              "bwd_ratio": c["backward"] / dense["backward"]})
+                sweep.append(
+                    {
+                        "seq": seq,
+                        "keep": keep,
+                        "step_speedup": dense["step"] / c["step"],
+                        "bwd_ratio": c["backward"] / dense["backward"],
+                    }
+                )
     if rank0:
-        out = {"device": dev, "world": world, "tp": a.tp, "sp": a.sp, "layers": a.layers, "rows": rows,
-               "sweep": sweep, "torch": torch.__version__}
+        out = {
+            "device": dev,
+            "world": world,
+            "tp": a.tp,
+            "sp": a.sp,
+            "layers": a.layers,
+            "rows": rows,
+            "sweep": sweep,
+            "torch": torch.__version__,
+        }
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
         d = main_rows[0]
@@ -135,14 +178,21 @@ def main() -> int:
             print("\nsweep (collider vs dense): seq keep step-speedup bwd-ratio")
             for s in sweep:
                 print(f"  {s['seq']:5d} {s['keep']:.2f} {s['step_speedup']:.3f} {s['bwd_ratio']:.3f}")
-        print(f"\n{dev}, world {world}, tp {a.tp}{' +SP' if a.sp else ''}, {a.layers} TinyLlama layers, seq {a.seq}, "
-              f"keep {a.keep}")
-        print("| mode | fwd ms | select ms | bwd ms | optim ms | step ms | bwd vs dense | step vs dense | sel % step |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print(
+            f"\n{dev}, world {world}, tp {a.tp}{' +SP' if a.sp else ''}, {a.layers} TinyLlama layers, seq {a.seq}, "
+            f"keep {a.keep}"
+        )
+        print(
+            "| mode | fwd ms | select ms | bwd ms | optim ms | step ms | bwd vs dense | step vs dense | sel % step "
+            "| bwd comm MB | bwd comm ms (isolated) |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in main_rows:
-            print(f"| {r['mode']} | {r['forward']:.1f} | {r['select']:.2f} | {r['backward']:.1f} | {r['optim']:.1f} | "
-                  f"{r['step']:.1f} | {r['backward'] / d['backward']:.3f} | {r['step'] / d['step']:.3f} | "
-                  f"{100 * r['select'] / r['step']:.2f} |")
+            print(
+                f"| {r['mode']} | {r['forward']:.1f} | {r['select']:.2f} | {r['backward']:.1f} | {r['optim']:.1f} | "
+                f"{r['step']:.1f} | {r['backward'] / d['backward']:.3f} | {r['step'] / d['step']:.3f} | "
+                f"{100 * r['select'] / r['step']:.2f} | {r['bwd_comm_mb']:.1f} | {r['bwd_comm_ms']:.2f} |"
+            )
     state.destroy()
     return 0
 
