@@ -104,3 +104,16 @@ def load(path: Path, model, optimizer, extra: dict) -> dict:
             "resume with the same model and parallel.tp/pp"
         ) from e
     return {k: sd[_key(f"extra.{k}")] for k in extra}
+
+
+def load_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Load only the model parameters of a checkpoint (a reference model; same tp/pp layout)."""
+    where = resolve_resume(str(path))
+    sd = {_key("model." + name): p.data for name, p in model.named_parameters()}
+    try:
+        dcp.load(sd, checkpoint_id=str(where))
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(
+            f"checkpoint {where} does not match this model ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "it must come from the same model shape and parallel.tp/pp"
+        ) from e

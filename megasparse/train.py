@@ -23,7 +23,7 @@ from megasparse.config import Config, ConfigError, dump_config, load_config
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_mem_gib, peak_tflops
 from megasparse.model.gpt import GPTStage
 from megasparse.ops.compact import KeepMeta
-from megasparse.parallel import comm, state
+from megasparse.parallel import comm, state, vocab_pp
 from megasparse.parallel.pipeline import P2PSpec, StageComm, one_f_one_b
 from megasparse.parallel.vocab_ce import KeepHolder
 
@@ -137,7 +137,22 @@ class Trainer:
         self.kept_rows = self._kept_rows() if f.mode != "off" else 0
         self.reference = self._build_reference() if f.mode != "off" and f.scorer == "excess" else None
         kept = (lambda: self.kept_rows) if self.collider else None
-        self.p2p = StageComm(P2PSpec(self.act_shape, self.compute_dtype, self.device, kept, cfg.train.micro_batch_size))
+        spec = P2PSpec(self.act_shape, self.compute_dtype, self.device, kept, cfg.train.micro_batch_size)
+        self.vocab_peer = None  # loss.vocab_over_pp on a non-last stage: its slice of every micro-batch's loss
+        if self.model.vocab_pp:
+            vocab_pp.check_supported(f.mode)
+        if self.model.vocab_pp and not self.lay.is_last_stage:
+            self.vocab_peer = vocab_pp.VocabPPPeer(
+                self.model.output_weight,
+                cfg.loss,
+                vocab_start=self.model.vocab_start,
+                vocab_size=self.vocab,
+                rows=m.seq_length * cfg.train.micro_batch_size,
+                compute_dtype=self.compute_dtype,
+            )
+            self.p2p = vocab_pp.VocabPPStageComm(spec, self.vocab_peer)
+        else:
+            self.p2p = StageComm(spec)
         self.step = 0
         self.consumed = 0
         self.flops_tok = flops_per_token(m, self.vocab_padded)
@@ -179,11 +194,39 @@ class Trainer:
             return None
         f = self.cfg.filter
         if f.reference == "model":
-            raise ConfigError("filter.reference=model is not wired into the trainer yet; use ngram or sidecar")
+            return self._reference_model()
         from megasparse.filtering.reference import ReferenceLosses
 
         prefix = getattr(self.train_ds, "prefix", None)
         return ReferenceLosses.from_config(f, self.cfg.data.ref_losses, prefix)
+
+    def _reference_model(self):
+        """Same-architecture reference model run online (slowest source; for comparison with n-gram/sidecar)."""
+        f, m = self.cfg.filter, self.cfg.model
+        if self.lay.pp > 1:
+            raise ConfigError("filter.reference=model needs parallel.pp=1 (the reference runs on one stage)")
+        if not f.ref_checkpoint:
+            raise ConfigError("filter.reference=model needs filter.ref_checkpoint (a run's out_dir or step dir)")
+        ref = GPTStage(
+            m,
+            [m.num_layers],
+            self.vocab,
+            self.vocab_padded,
+            seed=self.cfg.train.seed,
+            device=self.device,
+            compute_dtype=self.compute_dtype,
+            sequence_parallel=self.cfg.parallel.sequence_parallel,
+            loss=self.cfg.loss,
+        )
+        ckpt.load_weights(f.ref_checkpoint, ref)
+        ref.requires_grad_(False)
+
+        @torch.no_grad()
+        def losses(ids: torch.Tensor, labels: torch.Tensor, _positions=None) -> torch.Tensor:
+            ids, labels = ids.to(self.device), labels.to(self.device)
+            return ref(ids.contiguous(), labels.reshape(-1), KeepHolder()).view(labels.shape)
+
+        return losses
 
     def _select(self, per_tok: torch.Tensor, tok: torch.Tensor, mb_index: int):
         """Selection on the last stage: identical on every TP rank (same losses, deterministic ties)."""
@@ -195,7 +238,8 @@ class Trainer:
         ref = gen = None
         if f.scorer == "excess":
             ids, labels = tok[:, :-1].t(), tok[:, 1:].t()
-            ref = self.reference(ids.cpu(), labels.cpu(), None)
+            on_host = self.cfg.filter.reference != "model"
+            ref = self.reference(ids.cpu() if on_host else ids, labels.cpu() if on_host else labels, None)
         elif f.scorer == "random":
             gen = torch.Generator(device=self.device)
             gen.manual_seed(self.cfg.train.seed * 1_000_003 + self.step * 10_007 + mb_index)
@@ -246,6 +290,8 @@ class Trainer:
                 torch.autograd.backward(out, g)
 
         if train:
+            if self.vocab_peer is not None:
+                self.p2p.begin([tok[:, 1:].t().reshape(-1) for tok in batches])
             one_f_one_b(len(batches), self.p2p, forward_step, backward_step)
         else:
             with torch.no_grad():
@@ -254,6 +300,8 @@ class Trainer:
                     y = forward_step(i, x)
                     if not self.lay.is_last_stage:
                         self.p2p.send_forward(y)
+                    if self.vocab_peer is not None:
+                        self.vocab_peer.step(batches[i][:, 1:].t().reshape(-1), train=False)
         return acc["loss"], tokens_per_mb * len(batches)
 
     def _global_mean(self, loss_sum: torch.Tensor, tokens: int) -> float:
@@ -410,6 +458,33 @@ class Trainer:
                 log0(f"saved checkpoint {where}")
         log.close()
         return history
+
+
+class InferenceModel(torch.nn.Module):
+    """A single-stage model that scores token streams (``megasparse ref score``)."""
+
+    def __init__(self, stage: GPTStage):
+        super().__init__()
+        self.stage = stage
+
+    @torch.no_grad()
+    def token_losses(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [s, b] -> [s, b]: out[t] is the loss of tokens[t] given tokens[:t]; out[0] = 0."""
+        targets = torch.cat([tokens[1:], torch.full_like(tokens[:1], -100)])
+        per_tok = self.stage(tokens.contiguous(), targets.reshape(-1), KeepHolder()).view(tokens.shape)
+        return torch.cat([torch.zeros_like(per_tok[:1]), per_tok[:-1]])
+
+
+def load_model_for_inference(cfg: Config, ckpt_dir: str) -> InferenceModel:
+    """Build a one-process model (tp = pp = 1) and load a checkpoint saved with that layout."""
+    cfg.parallel.tp = cfg.parallel.pp = 1
+    cfg.parallel.sequence_parallel = False
+    cfg.parallel.layer_split = None
+    cfg.filter.mode = "off"
+    tr = Trainer(cfg, init_groups=not dist.is_initialized())
+    ckpt.load_weights(ckpt_dir, tr.model)
+    tr.model.eval()
+    return InferenceModel(tr.model)
 
 
 def run_training(cfg: Config) -> dict:
