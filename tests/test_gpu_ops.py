@@ -1,0 +1,75 @@
+"""GPU paths of the filter-aware ops (compiled RMSNorm, Triton SwiGLU, CUDA flash attention) vs fp64 autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megasparse.ops.attention import attention, rope_tables
+from megasparse.ops.compact import CompactGrad, KeepMeta
+from megasparse.ops.rowwise import rms_norm, swiglu
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _check(fn, ref, x, keep_rows, tol):
+    """Dense and compact backward of ``fn`` against ``ref`` in fp64 (compact = gradient on kept rows only)."""
+    x = x.requires_grad_()
+    y = fn(x)
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    x64 = x.detach().double().requires_grad_()
+    y64 = ref(x64)
+    (dx64,) = torch.autograd.grad(y64, x64, g.double())
+    assert rel(y, y64) < tol and rel(dx, dx64) < tol
+    meta = KeepMeta(keep_rows, y.reshape(-1, y.shape[-1]).shape[0], y.shape[1] if y.dim() == 3 else 1)
+    gc = CompactGrad(g.reshape(-1, g.shape[-1])[keep_rows], meta, y.shape)
+    y = fn(x)
+    y.backward(gc)
+    assert rel(x.grad.reshape(-1, x.shape[-1])[keep_rows], dx64.reshape(-1, x.shape[-1])[keep_rows]) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+def test_rowwise_ops(dtype, tol):
+    s, b, h = 257, 2, 384
+    keep = torch.sort(torch.randperm(s * b, device="cuda")[:300]).values
+    w = (1 + 0.1 * torch.randn(h, device="cuda")).to(torch.float32)
+    x = torch.randn(s, b, h, device="cuda", dtype=dtype)
+    _check(
+        lambda t: rms_norm(t, w, 1e-5),
+        lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double(),
+        x,
+        keep,
+        tol,
+    )
+    z = torch.randn(s, b, 2 * 352, device="cuda", dtype=dtype)
+    _check(swiglu, lambda t: F.silu(t[..., :352]) * t[..., 352:], z, keep, tol)
+
+
+def test_attention_dense_bf16():
+    s, b, nq, nkv, d = 512, 2, 8, 2, 64
+    cos, sin = rope_tables(s, d, 10000.0, "cuda")
+    qkv = torch.randn(s, b, (nq + 2 * nkv) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = attention(qkv, nq, nkv, cos, sin)
+    g = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, qkv, g)
+    x = qkv.detach().double().requires_grad_()
+    q, k, v = x.view(s, b, nq + 2 * nkv, d).split([nq, nkv, nkv], 2)
+
+    def rope(t):
+        c, sn = cos[:, None, None].double(), sin[:, None, None].double()
+        t1, t2 = t.chunk(2, -1)
+        return torch.cat([t1 * c - t2 * sn, t2 * c + t1 * sn], -1)
+
+    q, k = rope(q).permute(1, 2, 0, 3), rope(k).permute(1, 2, 0, 3).repeat_interleave(nq // nkv, 1)
+    v = v.permute(1, 2, 0, 3).repeat_interleave(nq // nkv, 1)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, -1)
+    (dref,) = torch.autograd.grad(ref, x, g.double())
+    assert rel(out, ref) < 2e-2 and rel(dq, dref) < 2e-2
