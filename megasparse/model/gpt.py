@@ -26,6 +26,7 @@ from megasparse.parallel.layers import (
     padded_vocab_init,
 )
 from megasparse.parallel.vocab_ce import KeepHolder, vocab_parallel_ce
+from megasparse.parallel.vocab_pp import slice_range, vocab_pp_loss
 
 
 class RMSNorm(nn.Module):
@@ -125,13 +126,19 @@ class GPTStage(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(cfg, i, seed, device, sequence_parallel, compute_dtype) for i in self.layer_ids
         )
+        # loss.vocab_over_pp: every pipeline rank holds a slice of the output layer (parallel/vocab_pp.py)
+        self.vocab_pp = self.loss_cfg.vocab_over_pp and lay.pp > 1
         if self.last:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sequence_parallel)
+        if self.last or self.vocab_pp:
             per_rank = vocab_padded // lay.tp
             self.vocab_start = lay.tp_rank * per_rank
+            if self.vocab_pp:
+                self.vocab_start, per_rank = slice_range(vocab_padded)
             full = padded_vocab_init("output", vocab_size, vocab_padded, cfg.hidden_size, cfg.init_std, seed, device)
             self.output_weight = nn.Parameter(full[self.vocab_start : self.vocab_start + per_rank].contiguous())
-            self.output_weight.tp_spec = (0, [vocab_padded])
+            self.output_weight.tp_spec = (0, [vocab_padded // (lay.pp if self.vocab_pp else 1)])
+            self.output_weight.pp_vocab = self.vocab_pp
         cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -147,6 +154,16 @@ class GPTStage(nn.Module):
         if not self.last:
             return x
         x = self.final_norm(x)
+        if self.vocab_pp:
+            return vocab_pp_loss(
+                x,
+                self.output_weight.to(self.compute_dtype),
+                targets,
+                self.loss_cfg,
+                vocab_start=self.vocab_start,
+                vocab_size=self.vocab_size,
+                sequence_parallel=self.sp,
+            )
         if self.loss_cfg.impl == "cce":
             return vocab_parallel_loss(
                 x,

@@ -32,9 +32,12 @@ def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, to
         return local
     gathered: list[dict] = [None] * lay.pp  # type: ignore[list-item]
     dist.all_gather_object(gathered, local, group=state.pp_group())
+    # loss.vocab_over_pp: the output weight is sliced over PP too; pp ranks hold consecutive slices
+    pp_vocab = {_global_name(model, n) for n, p in model.named_parameters() if getattr(p, "pp_vocab", False)}
     out: dict[str, torch.Tensor] = {}
     for d in gathered:
-        out.update(d)
+        for k, v in d.items():
+            out[k] = torch.cat([out[k], v]) if k in pp_vocab and k in out else v
     return out
 
 

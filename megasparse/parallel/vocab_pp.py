@@ -1,0 +1,228 @@
+"""Output-layer vocabulary sharded over the pipeline ranks too (``loss.vocab_over_pp``).
+
+Every (pp, tp) rank holds a [V_pad/(tp·pp), h] slice of the output weight, slice index
+``pp_rank·tp + tp_rank``, cut from the same full matrix as a single-stage run. Per micro-batch:
+
+* forward: the last stage's final-norm output (SP shards gathered over TP) is broadcast over the PP
+  group; every rank computes its slice's partial (lse, target logit) and ONE all-gather of [2, n]
+  fp32 over the model-parallel group (tp × pp) merges them in rank order, so every rank holds the
+  same per-token lse. The last stage turns it into the per-token loss (selection happens there).
+* backward: the last stage broadcasts the per-token loss gradient [n] over PP; every rank computes
+  its slice's dC (stays local: the weight gradient of its own slice) and its partial dE [n, h]; the
+  partials are summed over the model-parallel group and the last stage feeds the sum (its SP shard
+  of it) into the final-norm backward.
+
+Scheduling (synchronous, no extra P2P reordering): the non-last stages do their part of micro-batch
+k's loss right before they block on the gradient of micro-batch k in 1F1B (``VocabPPStageComm``
+hooks ``send_forward_recv_backward`` / ``recv_backward``), i.e. in the slot where they would wait
+for the last stage anyway. See docs/decisions/0800-vocab-over-pp-schedule.md for the bubble this
+leaves and why it cannot deadlock.
+
+The slice maths is ``megasparse.loss.shard_forward`` / ``shard_backward``: Triton CCE on CUDA with
+``loss.impl=cce``, the chunked torch reference otherwise (``impl=torch`` always uses it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megasparse.configbase import ConfigError
+from megasparse.loss import shard_backward, shard_forward
+from megasparse.loss.config import LossConfig
+from megasparse.parallel import comm, state
+from megasparse.parallel.pipeline import P2PSpec, StageComm
+
+REGION = "loss.vocab_pp"
+
+FLOPS: dict[str, int] = {"forward": 0, "backward": 0}
+"""Matmul FLOPs of this rank's loss slices since the last ``reset_flops`` (2·rows·cols·h forward,
+4·rows·cols·h backward, real vocabulary columns only): tests and the planner compare stages with them."""
+
+
+def reset_flops() -> None:
+    FLOPS["forward"] = FLOPS["backward"] = 0
+
+
+def check_supported(filter_mode: str) -> None:
+    """Raise the one-line config error for combinations the PP-vocabulary loss does not handle."""
+    if filter_mode == "collider":
+        raise ConfigError(
+            "loss.vocab_over_pp=true does not support filter.mode=collider yet (its backward is dense); "
+            "use filter.mode=loss_mask or off, or loss.vocab_over_pp=false"
+        )
+
+
+def slice_range(vocab_padded: int) -> tuple[int, int]:
+    """(vocab_start, rows) of this rank's output-weight slice: slice index pp_rank·tp + tp_rank."""
+    lay = state.layout()
+    per = vocab_padded // (lay.tp * lay.pp)
+    return (lay.pp_rank * lay.tp + lay.tp_rank) * per, per
+
+
+class _Slice:
+    """One rank's slice of the output layer and the collectives shared by the last stage and its peers."""
+
+    def __init__(self, cfg: LossConfig, vocab_start: int, vocab_size: int, width: int, dtype: torch.dtype):
+        self.cfg = cfg
+        self.start = vocab_start
+        self.n_valid = max(0, min(width, vocab_size - vocab_start))
+        self.dtype = dtype
+        self.backend = "torch" if cfg.impl == "torch" else cfg.backend
+        self.filter_eps = cfg.filter_eps if cfg.impl == "cce" else None
+
+    def _local_targets(self, targets: Tensor) -> Tensor:
+        t = targets - self.start
+        return torch.where((t >= 0) & (t < self.n_valid), t, torch.full_like(t, -1))
+
+    def forward(self, h: Tensor, w: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """Merged per-token (lse, target logit) over every slice, identical on every rank."""
+        lse_l, tgt_l, _ = shard_forward(h, w, self._local_targets(targets), self.n_valid, self.cfg.softcap,
+                                        False, self.backend)  # fmt: skip
+        FLOPS["forward"] += 2 * h.shape[0] * self.n_valid * h.shape[1]
+        group = state.mp_group()
+        parts = torch.stack([lse_l.float(), tgt_l.float()])
+        n = comm.world_size(group)
+        if n > 1:
+            parts = comm.all_gather(parts, group, "mp", dim=0, region=REGION).view(n, 2, -1)
+        else:
+            parts = parts.unsqueeze(0)
+        return torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(0)
+
+    def backward(self, h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """(dE summed over every slice [n, h], this slice's dC) for per-token loss gradient ``g``."""
+        z = self.cfg.z_loss
+        gs = g * (1 + 2 * z * lse) if z else g
+        d_e, d_c = shard_backward(h, w, self._local_targets(targets), lse, gs, g, self.n_valid, self.cfg.softcap,
+                                  self.filter_eps, None, self.cfg.grad_accum_fp32, self.backend)  # fmt: skip
+        FLOPS["backward"] += 4 * h.shape[0] * self.n_valid * h.shape[1]
+        comm.all_reduce(d_e, state.mp_group(), "mp", region=REGION)
+        return d_e, d_c
+
+
+def _broadcast_from_last(t: Tensor) -> None:
+    comm.broadcast(t, state.pp_last_rank(), state.pp_group(), "pp", region=REGION)
+
+
+class _LastStageLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, sl: _Slice, sp: bool, ignore_index: int):
+        h_shape = hidden.shape
+        h = hidden.reshape(-1, h_shape[-1]).to(sl.dtype)
+        if sp:
+            h = comm.all_gather(h, state.tp_group(), "tp", dim=0, region=REGION)
+        h = h.contiguous()
+        _broadcast_from_last(h)
+        targets = targets.reshape(-1)
+        lse, tgt = sl.forward(h, weight, targets)
+        loss = lse - tgt
+        if sl.cfg.z_loss:
+            loss = loss + sl.cfg.z_loss * lse * lse
+        valid = targets != ignore_index
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        ctx.save_for_backward(h, weight, targets, lse, valid)
+        ctx.sl, ctx.sp, ctx.h_shape = sl, sp, h_shape
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        h, weight, targets, lse, valid = ctx.saved_tensors
+        g = torch.where(valid, grad.float(), torch.zeros_like(lse)).contiguous()
+        with comm.phase("backward"):
+            _broadcast_from_last(g)
+            d_e, d_c = ctx.sl.backward(h, weight, targets, lse, g)
+        if ctx.sp:
+            lay = state.layout()
+            d_e = d_e.chunk(lay.tp)[lay.tp_rank]
+        return d_e.reshape(ctx.h_shape), d_c, None, None, None, None
+
+
+def vocab_pp_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    cfg: LossConfig,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    sequence_parallel: bool = False,
+    ignore_index: int = -100,
+) -> Tensor:
+    """Last stage: per-token loss [n] fp32 with the vocabulary spread over every (pp, tp) rank.
+
+    ``hidden`` is [s(/tp), b, h] (sequence shard under SP); ``weight`` is this rank's slice in the
+    compute dtype. Every other pipeline rank must run ``VocabPPPeer.step`` for the same micro-batch.
+    """
+    sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], weight.dtype)
+    return _LastStageLoss.apply(hidden, weight, targets, sl, sequence_parallel, ignore_index)
+
+
+class VocabPPPeer:
+    """A non-last pipeline rank's part of the output layer: its slice's loss pieces and weight gradient."""
+
+    def __init__(
+        self,
+        weight: torch.nn.Parameter,
+        cfg: LossConfig,
+        *,
+        vocab_start: int,
+        vocab_size: int,
+        rows: int,
+        compute_dtype: torch.dtype,
+        ignore_index: int = -100,
+    ):
+        self.weight = weight
+        self.rows = rows
+        self.ignore_index = ignore_index
+        self.sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], compute_dtype)
+
+    def step(self, targets: Tensor, train: bool) -> None:
+        """Join the last stage's loss of one micro-batch (forward, and with ``train`` its backward)."""
+        w = self.weight.detach().to(self.sl.dtype)
+        h = torch.empty(self.rows, w.shape[1], dtype=self.sl.dtype, device=w.device)
+        targets = targets.reshape(-1)
+        with comm.phase("forward"):
+            _broadcast_from_last(h)
+            lse, _ = self.sl.forward(h, w, targets)
+        if not train:
+            return
+        g = torch.empty_like(lse)
+        with comm.phase("backward"):
+            _broadcast_from_last(g)
+            _, d_c = self.sl.backward(h, w, targets, lse, g)
+        d_c = d_c.to(self.weight.dtype)
+        if self.weight.grad is None:
+            self.weight.grad = d_c
+        else:
+            self.weight.grad += d_c
+
+
+class VocabPPStageComm(StageComm):
+    """StageComm of a non-last stage that does micro-batch k's loss slice right before waiting for its gradient.
+
+    1F1B asks for the gradients of micro-batches 0, 1, 2, ... in order, once each, through either
+    ``send_forward_recv_backward`` (steady state) or ``recv_backward`` (cool-down); the last stage runs
+    loss k between its forward and backward of k, so both sides meet in the same order.
+    """
+
+    def __init__(self, spec: P2PSpec, peer: VocabPPPeer):
+        super().__init__(spec)
+        self.peer = peer
+        self._targets: list[Tensor] = []
+        self._next = 0
+
+    def begin(self, targets: list[Tensor]) -> None:
+        """Targets ([s·b] each) of this step's micro-batches, in schedule order."""
+        self._targets, self._next = targets, 0
+
+    def _loss_turn(self) -> None:
+        self.peer.step(self._targets[self._next], train=True)
+        self._next += 1
+
+    def send_forward_recv_backward(self, y: Tensor) -> Tensor | None:
+        self._loss_turn()
+        return super().send_forward_recv_backward(y)
+
+    def recv_backward(self) -> Tensor | None:
+        self._loss_turn()
+        return super().recv_backward()

@@ -1,0 +1,100 @@
+"""loss.vocab_over_pp: the output layer sliced over pipeline ranks trains exactly like one process,
+and every pipeline rank does an equal share of the loss-layer FLOPs (fp32, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+
+BASE = [
+    "data.prefix=synthetic",
+    "model.vocab_size=250",
+    "model.seq_length=16",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_layers=4",
+    "model.ffn_hidden_size=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.dtype=fp32",
+    "train.device=cpu",
+    "train.eval_interval=0",
+    "optim.lr=1e-2",
+    "optim.min_lr=1e-3",
+    "optim.eps=1e-4",
+    "optim.warmup_steps=1",
+]
+STEPS = 3
+BLOCK = 64  # model.make_vocab_divisible_by: one vocabulary block
+ROWS = 16 * 2  # seq_length · micro_batch_size
+H = 32
+
+
+def _run(overrides: list[str], steps: int) -> dict:
+    from megasparse.config import load_config
+    from megasparse.parallel import vocab_pp
+    from megasparse.parallel.consolidate import full_state_dict
+    from megasparse.train import Trainer
+
+    tr = Trainer(load_config(None, BASE + overrides))
+    vocab_pp.reset_flops()
+    tr.compute_gradients()
+    flops = dict(vocab_pp.FLOPS)
+    grads = full_state_dict(tr.model, grads=True)
+    losses = [tr.train_step().loss for _ in range(steps)]
+    val = tr.evaluate()
+    return {
+        "flops": flops,
+        "grads": grads,
+        "losses": losses,
+        "val": val,
+        "weights": full_state_dict(tr.model),
+        "stage": tr.lay.pp_rank,
+    }
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.fixture(scope="module")
+def single():
+    return run_distributed(_run, 1, [], STEPS)[0]
+
+
+def _check_equal(res: list[dict], single: dict) -> None:
+    for r in res:
+        for a, b in zip(r["losses"], single["losses"]):
+            assert abs(a - b) / abs(b) < 1e-5, (r["losses"], single["losses"])
+        assert abs(r["val"] - single["val"]) / single["val"] < 1e-5
+    for key in ("grads", "weights"):
+        got, want = res[0][key], single[key]
+        assert set(got) == set(want)
+        for k in want:
+            assert got[k].shape == want[k].shape, k
+            assert rel(got[k], want[k]) < 1e-5, (key, k, rel(got[k], want[k]))
+    assert single["losses"][0] != single["losses"][-1]
+
+
+@pytest.mark.slow
+def test_pp4_vocab_over_pp_matches_single_and_balances_flops(single):
+    res = run_distributed(_run, 4, ["parallel.pp=4", "loss.vocab_over_pp=true"], STEPS)
+    _check_equal(res, single)
+    num_mb = 4
+    # forward + backward matmul FLOPs of the loss layer, per pipeline stage, for one step
+    per_stage = [r["flops"]["forward"] + r["flops"]["backward"] for r in sorted(res, key=lambda r: r["stage"])]
+    assert min(per_stage) > 0
+    block = 6 * num_mb * ROWS * BLOCK * H
+    assert max(per_stage) - min(per_stage) <= block, per_stage
+    # the whole vocabulary is covered exactly once (250 real columns)
+    assert sum(per_stage) == 6 * num_mb * ROWS * 250 * H
+    # without vocab_over_pp the last stage alone would do sum(per_stage); now no stage does more than ~1/4 of it
+    assert sum(per_stage) > 3.5 * max(per_stage)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_sp_vocab_over_pp_matches_single(single):
+    ov = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "loss.vocab_over_pp=true"]
+    res = run_distributed(_run, 4, ov, STEPS)
+    _check_equal(res, single)
