@@ -8,7 +8,7 @@ phase (forward/backward), kind, group and region. Wrappers run under gloo and NC
 from __future__ import annotations
 
 import contextlib
-import threading
+import types
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-_state = threading.local()
+# Process-wide, not thread-local: on CUDA autograd runs backward Functions on its own device thread, and their
+# collectives must still see the recorder and the phase that the training loop set around ``backward()``.
+_state = types.SimpleNamespace()
 
 
 @dataclass
