@@ -8,8 +8,8 @@ phase (forward/backward), kind, group and region. Wrappers run under gloo and NC
 from __future__ import annotations
 
 import contextlib
-import types
 import time
+import types
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
