@@ -1,0 +1,247 @@
+"""Pipeline layer-split planner: ``megasparse plan CONFIG [section.key=value ...]``.
+
+Transformer blocks are all alike, but the first stage also holds the input embedding and the last
+the final norm plus the output layer and its loss, whose matmuls (6·tokens·V·h per micro-batch) can
+be worth several blocks at large vocabularies. The planner estimates, per pipeline stage and per TP
+rank, one micro-batch's forward+backward FLOPs and the memory of weights + fp32 grads + Adam state
+plus the activations 1F1B keeps in flight, for
+
+  (a) the configured split (or the even one) with the vocabulary on the last stage,
+  (b) the split that minimises the largest stage cost (embedding and loss included),
+  (c) ``loss.vocab_over_pp``: the output layer spread evenly over every stage, with its best split.
+
+Estimates are analytic (what the model's matmuls do, Korthikanti et al. activation counts without
+the attention-score term since attention is fused), meant for ranking splits, not for absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from megasparse.config import Config, ConfigError, load_config
+
+GIB = 1024**3
+STATE_BYTES = 16
+"""Bytes per parameter held by a stage: fp32 weight + fp32 grad + Adam's two fp32 moments."""
+
+
+def layer_params(cfg: Config) -> int:
+    """Matmul parameters of one transformer block (norms are negligible)."""
+    m = cfg.model
+    d = m.head_dim
+    attn = m.hidden_size * (m.num_attention_heads + 2 * m.kv_heads) * d + m.num_attention_heads * d * m.hidden_size
+    return attn + 3 * m.hidden_size * m.ffn_size
+
+
+def layer_flops(cfg: Config, tokens: int) -> float:
+    """Forward+backward FLOPs of one block for ``tokens`` tokens: 6·tokens·params + 12·tokens·s·h (attention)."""
+    m = cfg.model
+    return 6.0 * tokens * layer_params(cfg) + 12.0 * tokens * m.seq_length * m.hidden_size
+
+
+def loss_flops(cfg: Config, tokens: int, vocab_cols: int) -> float:
+    """Forward+backward FLOPs of the output layer on ``vocab_cols`` columns: logits, dE and dC matmuls."""
+    return 6.0 * tokens * vocab_cols * cfg.model.hidden_size
+
+
+def act_bytes_per_layer(cfg: Config, tokens: int, elem: int) -> float:
+    """Activations one block saves for backward for one micro-batch, on one TP rank."""
+    t, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel
+    per_token_h = 34.0 / t if sp else 10.0 + 24.0 / t  # in units of h two-byte elements
+    return per_token_h / 2 * elem * tokens * cfg.model.hidden_size
+
+
+@dataclass
+class StageEstimate:
+    """One pipeline stage on one TP rank."""
+
+    layers: int
+    parts: str
+    """Extra pieces on this stage: emb, loss, loss/p (a 1/pp share of the output layer)."""
+    flops: float
+    """Forward+backward FLOPs per micro-batch."""
+    params: float
+    state_gib: float
+    """Weights + grads + Adam state."""
+    act_gib: float
+    """Activations held at 1F1B's peak (in-flight micro-batches) plus the loss layer's working set."""
+
+    @property
+    def mem_gib(self) -> float:
+        return self.state_gib + self.act_gib
+
+
+@dataclass
+class Plan:
+    name: str
+    split: list[int]
+    vocab_over_pp: bool
+    stages: list[StageEstimate]
+    num_mb: int
+
+    @property
+    def max_flops(self) -> float:
+        return max(s.flops for s in self.stages)
+
+    @property
+    def step_flops(self) -> float:
+        """1F1B step ≈ (micro-batches + stages − 1) slots of the slowest stage."""
+        return (self.num_mb + len(self.stages) - 1) * self.max_flops
+
+
+def _vocab(cfg: Config, vocab: int | None) -> int:
+    v = cfg.model.vocab_size or vocab
+    if not v:
+        raise ConfigError("megasparse plan needs model.vocab_size (set it, or pass --vocab N)")
+    return v
+
+
+def estimate(cfg: Config, split: list[int], vocab_over_pp: bool, vocab: int | None = None, dp: int = 1) -> Plan:
+    """Per-stage FLOPs and memory of ``split`` (layers per stage) for the layout in ``cfg``."""
+    m, p = cfg.model, cfg.parallel
+    v = _vocab(cfg, vocab)
+    pp, tp = len(split), p.tp
+    shards = tp * (pp if vocab_over_pp else 1)
+    mult = m.make_vocab_divisible_by * shards
+    v_pad = -(-v // mult) * mult
+    tokens = m.seq_length * cfg.train.micro_batch_size
+    num_mb = cfg.num_microbatches(dp)
+    elem = 4 if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and cfg.train.device == "cpu") else 2
+    h = m.hidden_size
+    stages = []
+    for r, n in enumerate(split):
+        params = n * layer_params(cfg) / tp
+        flops = n * layer_flops(cfg, tokens) / tp
+        in_flight = min(pp - r, num_mb)
+        act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
+        parts = []
+        if r == 0:
+            parts.append("emb")
+            params += v_pad * h / tp
+            act += tokens * h * elem * in_flight / (tp if p.sequence_parallel else 1)
+        out_cols = 0
+        if vocab_over_pp:
+            parts.append(f"loss/{pp}")
+            out_cols = v_pad // shards
+        elif r == pp - 1:
+            parts.append("loss")
+            out_cols = v_pad // tp
+        if out_cols:
+            params += out_cols * h
+            flops += loss_flops(cfg, tokens, out_cols)
+            act += tokens * h * elem  # the (gathered) final hidden the loss keeps for its backward
+            if cfg.loss.impl == "torch":  # materialised logits: [tokens, V_local] in fp32 plus the compute dtype
+                act += tokens * out_cols * (4 + elem)
+        stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, params * STATE_BYTES / GIB, act / GIB))
+    name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
+    return Plan(name, list(split), vocab_over_pp, stages, num_mb)
+
+
+def best_split(cfg: Config, vocab_over_pp: bool, vocab: int | None = None, dp: int = 1) -> list[int]:
+    """Contiguous split minimising (largest stage FLOPs, then largest stage memory); exact DP over layer counts."""
+    layers, pp = cfg.model.num_layers, cfg.parallel.pp
+
+    def key(split: list[int]) -> tuple[float, float]:
+        plan = estimate(cfg, split, vocab_over_pp, vocab, dp)
+        return plan.max_flops, max(s.mem_gib for s in plan.stages)
+
+    # Stage r's cost depends only on r and its layer count, so best[r][used] = best prefix of r+1 stages.
+    def stage_cost(r: int, n: int) -> tuple[float, float]:
+        probe = [1] * pp
+        probe[r] = n
+        s = estimate(cfg, probe, vocab_over_pp, vocab, dp).stages[r]
+        return s.flops, s.mem_gib
+
+    cost = {(r, n): stage_cost(r, n) for r in range(pp) for n in range(1, layers - pp + 2)}
+    best: dict[tuple[int, int], tuple[tuple[float, float], list[int]]] = {}
+    for used in range(1, layers - pp + 2):
+        best[(0, used)] = (cost[(0, used)], [used])
+    for r in range(1, pp):
+        for used in range(r + 1, layers - (pp - r - 1) + 1):
+            cands = []
+            for n in range(1, used - r + 1):
+                prev = best.get((r - 1, used - n))
+                if prev is None:
+                    continue
+                c = cost[(r, n)]
+                cands.append(((max(prev[0][0], c[0]), max(prev[0][1], c[1])), prev[1] + [n]))
+            best[(r, used)] = min(cands, key=lambda x: x[0])
+    split = best[(pp - 1, layers)][1]
+    even = even_split(layers, pp)
+    if key(even) <= key(split):
+        return even  # prefer the default when it is already optimal
+    return split
+
+
+def even_split(layers: int, pp: int) -> list[int]:
+    base, rem = divmod(layers, pp)
+    return [base + (1 if i < rem else 0) for i in range(pp)]
+
+
+def format_plan(plan: Plan, anchor: Plan) -> str:
+    lines = [f"({plan.name}) parallel.layer_split={plan.split}"]
+    lines.append(
+        f"{'stage':>5} {'layers':>6} {'extra':>10} {'GFLOP/mb':>10} {'params M':>9} {'w+g+adam GiB':>12} "
+        f"{'act GiB':>8} {'total GiB':>9}"
+    )
+    for r, s in enumerate(plan.stages):
+        lines.append(
+            f"{r:>5} {s.layers:>6} {s.parts:>10} {s.flops / 1e9:>10.2f} {s.params / 1e6:>9.2f} {s.state_gib:>12.3f} "
+            f"{s.act_gib:>8.3f} {s.mem_gib:>9.3f}"
+        )
+    peak = max(s.mem_gib for s in plan.stages)
+    lines.append(
+        f"max stage {plan.max_flops / 1e9:.2f} GFLOP/mb, 1F1B step ≈ {plan.step_flops / 1e9:.1f} GFLOP-slots "
+        f"({plan.step_flops / anchor.step_flops:.3f}x of (a)), peak memory {peak:.3f} GiB"
+    )
+    return "\n".join(lines)
+
+
+def plans(cfg: Config, vocab: int | None = None, dp: int = 1) -> tuple[Plan, Plan, Plan]:
+    """(a) configured/even split with the vocabulary on the last stage, (b) its best split, (c) vocab_over_pp."""
+    p = cfg.parallel
+    configured = list(p.layer_split) if p.layer_split else even_split(cfg.model.num_layers, p.pp)
+    a = estimate(cfg, configured, False, vocab, dp)
+    a.name = "a: configured split, vocabulary on the last stage"
+    b = estimate(cfg, best_split(cfg, False, vocab, dp), False, vocab, dp)
+    b.name = "b: recommended split, vocabulary on the last stage"
+    c = estimate(cfg, best_split(cfg, True, vocab, dp), True, vocab, dp)
+    c.name = "c: loss.vocab_over_pp=true, its best split"
+    return a, b, c
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="megasparse plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", help="YAML config; omitted: built-in defaults")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.pp=4 model.vocab_size=128000")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel size (sets micro-batches per step)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size when model.vocab_size is null")
+    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    path, overrides = a.config, list(a.overrides)
+    if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
+        path, overrides = None, [path] + overrides
+    try:
+        cfg = load_config(path, overrides)
+        cfg.validate(cfg.parallel.tp * cfg.parallel.pp * a.dp)
+        pa, pb, pc = plans(cfg, a.vocab, a.dp)
+    except ConfigError as e:
+        print(f"megasparse: error: {e}", file=sys.stderr)
+        return 2
+    m, p = cfg.model, cfg.parallel
+    print(
+        f"megasparse plan: {m.num_layers} layers, hidden {m.hidden_size}, vocab {_vocab(cfg, a.vocab)}, "
+        f"seq {m.seq_length} x micro-batch {cfg.train.micro_batch_size}, tp {p.tp} x pp {p.pp} x dp {a.dp}, "
+        f"{pa.num_mb} micro-batches, loss.impl={cfg.loss.impl} (per TP rank, per micro-batch)"
+    )
+    for plan in (pa, pb, pc):
+        print()
+        print(format_plan(plan, pa))
+    print()
+    print(f"recommended: parallel.layer_split={pb.split}  (or loss.vocab_over_pp=true parallel.layer_split={pc.split})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

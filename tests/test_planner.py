@@ -1,0 +1,108 @@
+"""megasparse plan: analytic per-stage cost against hand-computed numbers, and the split search."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megasparse.config import load_config
+from megasparse.parallel.planner import best_split, estimate, even_split, main, plans
+
+TINY = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=250",
+    "model.seq_length=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.dtype=fp32",
+    "parallel.pp=4",
+]
+TOKENS = 16 * 2
+# one block by hand: qkv 64x(3*64) + proj 64x64, fc1 64x(2*128) + fc2 128x64
+BLOCK_PARAMS = 64 * 3 * 64 + 64 * 64 + 64 * 2 * 128 + 128 * 64
+BLOCK_FLOPS = 6 * TOKENS * BLOCK_PARAMS + 12 * TOKENS * 16 * 64  # matmuls fwd+bwd, attention scores/values
+V_PAD = 256  # 250 rounded up to make_vocab_divisible_by=64
+
+
+def test_tiny_config_matches_hand_computed_flops_and_memory():
+    cfg = load_config(None, TINY)
+    plan = estimate(cfg, [1, 1, 1, 1], vocab_over_pp=False)
+    loss = 6 * TOKENS * V_PAD * 64  # logits, dE, dC over the padded vocabulary
+    assert [s.flops for s in plan.stages] == [BLOCK_FLOPS] * 3 + [BLOCK_FLOPS + loss]
+    assert plan.stages[0].params == BLOCK_PARAMS + V_PAD * 64  # + input embedding
+    assert plan.stages[1].params == BLOCK_PARAMS
+    assert plan.stages[3].params == BLOCK_PARAMS + V_PAD * 64  # + output layer
+    assert plan.stages[1].state_gib * 1024**3 == 16 * BLOCK_PARAMS
+    # 4 micro-batches per step: stage r keeps min(pp - r, 4) in flight; fp32 activations of 34 h-elements per token
+    act_layer = 34 * TOKENS * 64 * 2
+    assert plan.stages[1].act_gib * 1024**3 == pytest.approx(3 * act_layer)
+    # the last stage's loss keeps the hidden and, for impl=torch, fp32 logits plus their compute-dtype copy
+    assert plan.stages[3].act_gib * 1024**3 == pytest.approx(act_layer + TOKENS * 64 * 4 + TOKENS * V_PAD * 8)
+    assert plan.step_flops == (4 + 4 - 1) * (BLOCK_FLOPS + loss)
+
+    vpp = estimate(cfg, [1, 1, 1, 1], vocab_over_pp=True)
+    share = 6 * TOKENS * (V_PAD // 4) * 64
+    assert [s.flops for s in vpp.stages] == [BLOCK_FLOPS + share] * 4
+    assert [s.params for s in vpp.stages][1:] == [BLOCK_PARAMS + V_PAD // 4 * 64] * 3
+
+
+def test_tp_divides_stage_cost():
+    one = estimate(load_config(None, TINY), [1, 1, 1, 1], False)
+    two = estimate(load_config(None, TINY + ["parallel.tp=2"]), [1, 1, 1, 1], False)
+    for a, b in zip(one.stages, two.stages):
+        assert b.flops == pytest.approx(a.flops / 2)
+
+
+def _brute(cfg, vocab_over_pp):
+    layers, pp = cfg.model.num_layers, cfg.parallel.pp
+    best = None
+    for cut in itertools.combinations(range(1, layers), pp - 1):
+        split = [b - a for a, b in zip((0,) + cut, cut + (layers,))]
+        m = estimate(cfg, split, vocab_over_pp).max_flops
+        best = m if best is None else min(best, m)
+    return best
+
+
+@pytest.mark.parametrize("vocab", [250, 8000, 50000, 200000])
+@pytest.mark.parametrize("layers,pp", [(4, 2), (7, 3), (9, 4), (12, 4)])
+@pytest.mark.parametrize("vocab_over_pp", [False, True])
+def test_recommended_split_is_optimal_and_never_worse_than_even(vocab, layers, pp, vocab_over_pp):
+    cfg = load_config(None, TINY + [f"model.vocab_size={vocab}", f"model.num_layers={layers}", f"parallel.pp={pp}"])
+    split = best_split(cfg, vocab_over_pp)
+    assert len(split) == pp and sum(split) == layers and min(split) >= 1
+    got = estimate(cfg, split, vocab_over_pp).max_flops
+    assert got <= estimate(cfg, even_split(layers, pp), vocab_over_pp).max_flops
+    assert got == _brute(cfg, vocab_over_pp)
+
+
+def test_large_vocabulary_moves_layers_off_the_last_stage_and_vocab_over_pp_balances():
+    cfg = load_config(None, TINY + ["model.vocab_size=200000", "model.num_layers=12"])
+    a, b, c = plans(cfg)
+    assert a.split == [3, 3, 3, 3]
+    assert b.split[-1] < b.split[0]
+    assert b.max_flops < a.max_flops
+    loss_parts = [s.flops - s.layers * BLOCK_FLOPS for s in c.stages]
+    assert max(loss_parts) - min(loss_parts) <= 6 * TOKENS * 64 * 64  # within one vocabulary block
+    assert c.max_flops < a.max_flops
+    # the vocabulary's memory spike on the last stage is gone too
+    assert c.stages[-1].state_gib < a.stages[-1].state_gib
+
+
+def test_cli_prints_three_tables_and_the_recommendation(capsys):
+    assert main(TINY + ["model.vocab_size=200000", "model.num_layers=12", "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("GFLOP/mb") == 3 + 3  # three headers, three summaries
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("recommended: parallel.layer_split=[")
+    cfg = load_config(None, TINY + ["model.vocab_size=200000", "model.num_layers=12"])
+    assert str(best_split(cfg, False, dp=2)) in last
+
+
+def test_cli_needs_a_vocabulary(capsys):
+    assert main(["model.num_layers=4", "parallel.pp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size" in err and len(err.strip().splitlines()) == 1
