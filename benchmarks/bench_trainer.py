@@ -32,7 +32,7 @@ import torch.distributed as dist
 # Run as a script from the repository root (benchmarks/ is not a package).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from megasparse.config import Config, load_config  # noqa: E402
+from megasparse.config import Config, ConfigError, load_config  # noqa: E402
 from megasparse.metrics import flops_per_token, peak_tflops  # noqa: E402
 from megasparse.parallel import comm, state  # noqa: E402
 from megasparse.train import Trainer, _iterate, build_data  # noqa: E402
@@ -246,9 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"bench_trainer: unknown --impls {bad}; use {IMPLS}", file=sys.stderr)
         return 2
-    base = load_config(a.config, a.overrides)
+    micro_ov = [f"train.micro_batch_size={a.micro.split(',')[0]}"] if a.micro else []
     world = state.world_env()[1]
-    base.validate(world)
+    try:
+        base = load_config(a.config, list(a.overrides) + micro_ov)
+        base.validate(world)
+    except ConfigError as e:
+        print(f"bench_trainer: error: {e}", file=sys.stderr)
+        return 2
     p = base.parallel
     state.init(p.tp, p.pp, p.sequence_parallel, p.backend)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -141,6 +141,8 @@ def build_gpt(
         position_embedding_type="rope",
         rotary_base=int(cfg.model.rope_theta),
     )
+    if torch.cuda.is_available():  # torch norms are built on the CPU; Megatron-LM moves the model likewise
+        gpt.cuda(torch.cuda.current_device())
     # As Megatron-LM does for bf16: the torch norms are built in fp32, Float16Module casts everything to bf16.
     model = Float16Module(tc, gpt) if dtype != torch.float32 else gpt
     return model, gpt, tc
@@ -218,7 +220,7 @@ class McoreTrainer:
 
         def loss_func(output):
             loss = output.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            return loss, {"lm loss": loss.detach().clone()}  # the schedule divides ``loss`` in place
 
         return out, partial(loss_func)
 
