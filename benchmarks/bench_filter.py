@@ -39,8 +39,8 @@ def overrides(a, mode: str, keep: float, seq: int) -> list[str]:
         f"model.num_layers={a.layers}",
         f"parallel.tp={a.tp}",
         f"parallel.sequence_parallel={str(a.sp).lower()}",
-        "train.micro_batch_size=1",
-        f"train.global_batch_size={a.dp}",
+        f"train.micro_batch_size={a.mb}",
+        f"train.global_batch_size={a.mb * a.dp}",
         "train.eval_interval=0",
         f"filter.mode={mode}",
         f"filter.keep_ratio={keep}",
@@ -114,6 +114,7 @@ def main() -> int:
     p.add_argument("--keep", type=float, default=0.6)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--mb", type=int, default=1, help="sequences per micro-batch (one micro-batch per step)")
+    p.add_argument("--mb", type=int, default=1, help="sequences per micro-batch (one micro-batch per step)")
     p.add_argument("--sp", action="store_true")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
@@ -181,7 +182,7 @@ def main() -> int:
                 print(f"  {s['seq']:5d} {s['keep']:.2f} {s['step_speedup']:.3f} {s['bwd_ratio']:.3f}")
         print(
             f"\n{dev}, world {world}, tp {a.tp}{' +SP' if a.sp else ''}, {a.layers} TinyLlama layers, seq {a.seq}, "
-            f"keep {a.keep}"
+            f"micro-batch {a.mb}, keep {a.keep}"
         )
         print(
             "| mode | fwd ms | select ms | bwd ms | optim ms | step ms | bwd vs dense | step vs dense | sel % step "
