@@ -114,7 +114,6 @@ def main() -> int:
     p.add_argument("--keep", type=float, default=0.6)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--mb", type=int, default=1, help="sequences per micro-batch (one micro-batch per step)")
-    p.add_argument("--mb", type=int, default=1, help="sequences per micro-batch (one micro-batch per step)")
     p.add_argument("--sp", action="store_true")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
