@@ -98,3 +98,24 @@ def test_tp2_pp2_sp_vocab_over_pp_matches_single(single):
     ov = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "loss.vocab_over_pp=true"]
     res = run_distributed(_run, 4, ov, STEPS)
     _check_equal(res, single)
+
+
+MASK = ["filter.mode=loss_mask", "filter.scorer=loss", "filter.keep_ratio=0.5"]
+
+
+@pytest.mark.slow
+def test_pp2_vocab_over_pp_with_loss_mask_matches_single():
+    """Selection on the last stage: its masked per-token gradient reaches the other stages' slices."""
+    one = run_distributed(_run, 1, MASK, 2)[0]
+    two = run_distributed(_run, 2, MASK + ["parallel.pp=2", "loss.vocab_over_pp=true"], 2)
+    _check_equal(two, one)
+
+
+def test_collider_is_refused_with_one_line():
+    from megasparse.configbase import ConfigError
+    from megasparse.parallel.vocab_pp import check_supported
+
+    check_supported("loss_mask")
+    with pytest.raises(ConfigError, match="filter.mode=collider") as e:
+        check_supported("collider")
+    assert "\n" not in str(e.value)
