@@ -10,23 +10,9 @@ import pytest
 import torch
 from distributed import run_distributed
 from reference_model import per_token_loss
+from tiny import tiny
 
-BASE = [
-    "data.prefix=synthetic",
-    "model.vocab_size=250",
-    "model.seq_length=16",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.num_layers=3",
-    "model.ffn_hidden_size=128",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    "train.dtype=fp32",
-    "train.device=cpu",
-    "train.eval_interval=0",
-    "filter.scorer=random",
-]
+BASE = tiny(model__num_layers=3, filter__scorer="random")
 
 
 def grads_of(overrides: list[str]) -> dict:

@@ -5,30 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
+from tiny import TRAINING, tiny
 
-BASE = [
-    "data.prefix=synthetic",
-    "model.vocab_size=250",
-    "model.seq_length=16",
-    "model.hidden_size=64",
-    "model.num_attention_heads=4",
-    "model.num_query_groups=2",
-    "model.num_layers=4",
-    "model.ffn_hidden_size=128",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    "train.dtype=fp32",
-    "train.device=cpu",
-    "train.eval_interval=0",
-    "optim.lr=1e-2",
-    "optim.min_lr=1e-3",
-    "optim.eps=1e-4",
-    "optim.warmup_steps=2",
-    "train.steps=5",
-]
-# Adam with a tiny eps turns float-rounding-sized gradient differences of near-zero entries into
-# whole-lr steps of opposite sign; eps=1e-4 keeps the comparison well-conditioned (at most 100x
-# amplification) without hiding real differences, which show up at the 1e-2 level.
+BASE = tiny(**TRAINING, train__steps=5)
 STEPS = 5
 
 

@@ -6,25 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
+from tiny import TRAINING, tiny
 
-BASE = [
-    "data.prefix=synthetic",
-    "model.vocab_size=250",
-    "model.seq_length=16",
-    "model.hidden_size=32",
-    "model.num_attention_heads=4",
-    "model.num_layers=4",
-    "model.ffn_hidden_size=64",
-    "train.micro_batch_size=2",
-    "train.global_batch_size=8",
-    "train.dtype=fp32",
-    "train.device=cpu",
-    "train.eval_interval=0",
-    "optim.lr=1e-2",
-    "optim.min_lr=1e-3",
-    "optim.eps=1e-4",
-    "optim.warmup_steps=1",
-]
+BASE = tiny(
+    **{**TRAINING, "optim__warmup_steps": 1},
+    model__hidden_size=32,
+    model__num_query_groups=4,
+    model__ffn_hidden_size=64,
+)
 STEPS = 3
 BLOCK = 64  # model.make_vocab_divisible_by: one vocabulary block
 ROWS = 16 * 2  # seq_length · micro_batch_size
