@@ -154,3 +154,34 @@ def test_all_three_accelerations_compose_under_tp_sp():
     res = run_distributed(run_steps, 2, ov, 4)
     assert res[0] == res[1]
     assert all(torch.isfinite(torch.tensor(res[0])))
+
+
+def one_line_api(keep_ratio: float) -> dict:
+    """A custom loop with ``backward_filter`` gives the trainer's Collider gradients."""
+    from megasparse.config import load_config
+    from megasparse.filtering.api import KeepHolder, backward_filter
+    from megasparse.filtering.selection import select_tokens
+    from megasparse.parallel.consolidate import full_state_dict
+    from megasparse.train import SyntheticData, Trainer
+
+    cfg = load_config(None, BASE + ["train.global_batch_size=2"])
+    tr = Trainer(cfg)
+    weights = full_state_dict(tr.model)
+    tok = torch.stack([SyntheticData(250, 16, cfg.data.seed).global_sample(i) for i in range(2)])
+    ids, tgt = tok[:, :-1].t().contiguous(), tok[:, 1:].t()
+    holder = KeepHolder()
+    per_token = tr.model(ids, tgt.reshape(-1), holder)
+    gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003)
+    keep = select_tokens(torch.rand(ids.shape, generator=gen), keep_ratio, "microbatch").mask
+    backward_filter(per_token, keep, holder)
+    return {
+        "grads": full_state_dict(tr.model, grads=True),
+        "weights": weights,
+        "kept_rows": int(keep.sum()),
+        "num_mb": 1,
+    }
+
+
+def test_backward_filter_one_line_api():
+    res = run_distributed(one_line_api, 1, 0.5)[0]
+    assert_close(res["grads"], reference_grads(res, "collider", 0.5))
