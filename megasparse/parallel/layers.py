@@ -164,12 +164,12 @@ class VocabEmbeddingFn(torch.autograd.Function):
                 gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, "embedding.sp_gather")
             ids = local.reshape(-1).index_select(0, meta.idx)
             ok = valid.reshape(-1).index_select(0, meta.idx)
-            dw.index_add_(0, ids[ok], gr[ok].float())
+            dw.index_add_(0, ids, gr.float() * ok.unsqueeze(1))  # masked, not boolean-indexed: no host sync
         else:
             if sp:
                 g = comm.all_gather(g, group, "tp", dim=0, region="embedding.sp_gather")
             ok = valid.reshape(-1)
-            dw.index_add_(0, local.reshape(-1)[ok], _flat(g)[ok].float())
+            dw.index_add_(0, local.reshape(-1), _flat(g).float() * ok.unsqueeze(1))
         return None, dw.to(wdtype), None, None, None
 
 

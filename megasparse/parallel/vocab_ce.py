@@ -79,7 +79,8 @@ class VocabParallelCEFn(torch.autograd.Function):
         p = torch.exp(logits - lse[:, None])
         local_t = targets - vocab_start
         in_shard = (local_t >= 0) & (local_t < w.shape[0])
-        p[in_shard, local_t[in_shard]] -= 1.0
+        # softmax − one-hot, written without boolean indexing (no host sync in the backward)
+        p.scatter_add_(1, torch.where(in_shard, local_t, 0)[:, None], -in_shard.to(p.dtype)[:, None])
         p *= torch.where(targets != ignore_index, g, torch.zeros_like(g))[:, None]
         d = p.to(w.dtype)
         dx = d @ w
