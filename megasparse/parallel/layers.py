@@ -182,8 +182,17 @@ class _ParallelBase(nn.Module):
         self.gemm = DENSE
 
 
-class ColumnParallelLinear(_ParallelBase):
+class _ParallelLinear(_ParallelBase):
+    fn: type[torch.autograd.Function]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn.apply(x, self.weight, self.sequence_parallel, self.compute_dtype, self.gemm, self.pname)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X·Wᵀ with W's rows split over TP ranks; ``partitions`` are sharded separately (e.g. q|k|v)."""
+
+    fn = ColumnParallelLinearFn
 
     def __init__(
         self,
@@ -206,14 +215,11 @@ class ColumnParallelLinear(_ParallelBase):
         self.weight = nn.Parameter(torch.cat(shards, dim=0))
         self.weight.tp_spec = (0, list(partitions))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ColumnParallelLinearFn.apply(
-            x, self.weight, self.sequence_parallel, self.compute_dtype, self.gemm, self.pname
-        )
 
-
-class RowParallelLinear(_ParallelBase):
+class RowParallelLinear(_ParallelLinear):
     """Y = X·Wᵀ with W's columns split over TP ranks; the partial outputs are summed (or reduce-scattered)."""
+
+    fn = RowParallelLinearFn
 
     def __init__(
         self,
@@ -232,11 +238,6 @@ class RowParallelLinear(_ParallelBase):
         full = seeded_full_init(name, (out_features, in_features), init_std, seed, device)
         self.weight = nn.Parameter(full.chunk(lay.tp, dim=1)[lay.tp_rank].contiguous())
         self.weight.tp_spec = (1, [in_features])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return RowParallelLinearFn.apply(
-            x, self.weight, self.sequence_parallel, self.compute_dtype, self.gemm, self.pname
-        )
 
 
 class VocabParallelEmbedding(_ParallelBase):
