@@ -149,7 +149,8 @@ def plot(results: dict, out_val: Path, out_flip: Path, title: str) -> None:
     for name, c in results["curves"].items():
         if c["flip"] and "_seed" not in name:
             xs, ys = zip(*c["flip"], strict=True)
-            ax.plot(xs, ys, styles.get(name, "-"), marker="o", ms=3, label=name)
+            wide = {"lw": 4, "alpha": 0.45} if name == "fst" else {}  # fst_no_dense runs on top of it to the switch
+            ax.plot(xs, ys, styles.get(name, "-"), marker="o", ms=3, label=name, **wide)
     ax.set(xlabel="optimizer step", ylabel=f"flip rate per refresh ({results['refresh']} steps)", title=title)
     ax.set_yscale("log")
     ax.legend(fontsize=8)
