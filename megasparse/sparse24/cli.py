@@ -72,7 +72,9 @@ def main(argv: list[str]) -> int:
         return 2
 
     def run(overrides: list[str]) -> float:
-        cfg = load_config(args.config, [*args.overrides, f"train.steps={steps}", "sparsity.enabled=true", *overrides])
+        # The short search runs stay sparse to the end: dense fine-tuning would blank their last refreshes.
+        fixed = [f"train.steps={steps}", "sparsity.enabled=true", "sparsity.dense_finetune_fraction=0"]
+        cfg = load_config(args.config, [*args.overrides, *fixed, *overrides])
         return flip_rate_at_end(run_training(cfg)["flip_rates"], args.window)
 
     dense = run(["sparsity.monitor_only=true"])
