@@ -15,7 +15,7 @@ import torch
 
 from megasparse.sparse24.config import SparsityConfig
 from megasparse.sparse24.linear import Sparse24Weight
-from megasparse.sparse24.masks import check_mask_shape, transposable_mask
+from megasparse.sparse24.masks import check_cusparselt_shape, check_mask_shape, transposable_mask
 
 
 class SparsityManager:
@@ -43,7 +43,13 @@ class SparsityManager:
             check_mask_shape(w.shape, name)
             self.masks[name] = transposable_mask(w.detach())
             if not cfg.monitor_only:
-                self._states[name] = Sparse24Weight(w, self.masks[name], backend=cfg.backend, name=name)
+                backend = cfg.backend
+                if backend == "cusparselt" and w.dtype not in (torch.bfloat16, torch.float16):
+                    # fp32 master weights: the trainer's Sparse24Gemm compresses the bf16 compute copy, so only
+                    # the shape rules apply here and this state holds the masks (masked dense in fp32)
+                    check_cusparselt_shape(w.shape, name)
+                    backend = "emulate"
+                self._states[name] = Sparse24Weight(w, self.masks[name], backend=backend, name=name)
         if self.switch_step <= 0:
             self._go_dense()
 
