@@ -267,9 +267,14 @@ class Trainer:
         normaliser = per_mb * self.num_mb * self.dp  # kept (or all) tokens of the global batch
         acc = {"loss": torch.zeros((), dtype=torch.float64, device=self.device)}
 
+        emb_pp = self.model.embedding if self.model.embedding_pp else None
+        inputs = None  # embedding_over_pp: the first stage's inputs of every micro-batch, looked up at once
+        if emb_pp is not None:
+            inputs = emb_pp.lookup_all([tok[:, :-1].t() for tok in batches], requires_grad=train)
+
         def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
             tok = batches[i]
-            ids = tok[:, :-1].t().contiguous()
+            ids = tok[:, :-1].t().contiguous() if inputs is None else inputs[i]
             targets = tok[:, 1:].t().reshape(-1)
             keep = KeepHolder()
             out = self.model(ids if self.lay.is_first_stage else x, targets, keep)
@@ -293,6 +298,8 @@ class Trainer:
             if self.vocab_peer is not None:
                 self.p2p.begin([tok[:, 1:].t().reshape(-1) for tok in batches])
             one_f_one_b(len(batches), self.p2p, forward_step, backward_step)
+            if emb_pp is not None:
+                emb_pp.backward_all(inputs)
         else:
             with torch.no_grad():
                 for i in range(len(batches)):

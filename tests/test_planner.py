@@ -47,7 +47,11 @@ def test_tiny_config_matches_hand_computed_flops_and_memory():
     vpp = estimate(cfg, [1, 1, 1, 1], vocab_over_pp=True)
     share = 6 * TOKENS * (V_PAD // 4) * 64
     assert [s.flops for s in vpp.stages] == [BLOCK_FLOPS + share] * 4
-    assert [s.params for s in vpp.stages][1:] == [BLOCK_PARAMS + V_PAD // 4 * 64] * 3
+    # both vocabulary matrices a quarter on every stage (embedding_over_pp, the default)
+    assert [s.params for s in vpp.stages] == [BLOCK_PARAMS + 2 * (V_PAD // 4) * 64] * 4
+    out_only = estimate(load_config(None, TINY + ["loss.embedding_over_pp=false"]), [1, 1, 1, 1], vocab_over_pp=True)
+    assert [s.params for s in out_only.stages][1:] == [BLOCK_PARAMS + V_PAD // 4 * 64] * 3
+    assert out_only.stages[0].params == BLOCK_PARAMS + V_PAD * 64 + V_PAD // 4 * 64
 
 
 def test_tp_divides_stage_cost():

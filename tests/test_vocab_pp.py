@@ -18,6 +18,7 @@ STEPS = 3
 BLOCK = 64  # model.make_vocab_divisible_by: one vocabulary block
 ROWS = 16 * 2  # seq_length · micro_batch_size
 H = 32
+VOCAB_PARAMS = ("embedding.weight", "output_weight")
 
 
 def _run(overrides: list[str], steps: int) -> dict:
@@ -40,6 +41,7 @@ def _run(overrides: list[str], steps: int) -> dict:
         "val": val,
         "weights": full_state_dict(tr.model),
         "stage": tr.lay.pp_rank,
+        "vocab_rows": {n: p.shape[0] for n, p in tr.model.named_parameters() if n in VOCAB_PARAMS},
     }
 
 
@@ -80,6 +82,10 @@ def test_pp4_vocab_over_pp_matches_single_and_balances_flops(single):
     assert sum(per_stage) == 6 * num_mb * ROWS * 250 * H
     # without vocab_over_pp the last stage alone would do sum(per_stage); now no stage does more than ~1/4 of it
     assert sum(per_stage) > 3.5 * max(per_stage)
+    # memory: both vocabulary matrices are split evenly, a quarter on every stage (embedding_over_pp default)
+    vpad = single["vocab_rows"]["output_weight"]
+    for r in res:
+        assert r["vocab_rows"] == {"embedding.weight": vpad // 4, "output_weight": vpad // 4}, r["vocab_rows"]
 
 
 @pytest.mark.slow
@@ -98,6 +104,16 @@ def test_pp2_vocab_over_pp_with_loss_mask_matches_single():
     one = run_distributed(_run, 1, MASK, 2)[0]
     two = run_distributed(_run, 2, MASK + ["parallel.pp=2", "loss.vocab_over_pp=true"], 2)
     _check_equal(two, one)
+
+
+@pytest.mark.slow
+def test_pp2_output_only_over_pp_keeps_embedding_on_first_stage(single):
+    res = run_distributed(_run, 2, ["parallel.pp=2", "loss.vocab_over_pp=true", "loss.embedding_over_pp=false"], STEPS)
+    _check_equal(res, single)
+    by_stage = {r["stage"]: r["vocab_rows"] for r in res}
+    vpad = single["vocab_rows"]["output_weight"]
+    assert by_stage[0] == {"embedding.weight": vpad, "output_weight": vpad // 2}
+    assert by_stage[1] == {"output_weight": vpad // 2}
 
 
 def test_collider_is_refused_with_one_line():

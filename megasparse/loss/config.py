@@ -29,6 +29,9 @@ class LossConfig:
     """Force the cce backend: triton or torch (None: Triton on CUDA, the chunked torch reference on CPU)."""
     vocab_over_pp: bool = False
     """Shard the output layer's vocabulary over pipeline ranks too (balances the last stage)."""
+    embedding_over_pp: bool = True
+    """With vocab_over_pp, shard the input embedding over pipeline ranks as well, so the first stage does not
+    keep a whole vocabulary's weights and optimizer state (memory balance). Ignored without vocab_over_pp."""
 
     def validate(self) -> None:
         if self.impl not in ("cce", "torch"):

@@ -26,7 +26,7 @@ from megasparse.parallel.layers import (
     padded_vocab_init,
 )
 from megasparse.parallel.vocab_ce import KeepHolder, vocab_parallel_ce
-from megasparse.parallel.vocab_pp import slice_range, vocab_pp_loss
+from megasparse.parallel.vocab_pp import PPEmbedding, slice_range, vocab_pp_loss
 
 
 class RMSNorm(nn.Module):
@@ -119,15 +119,22 @@ class GPTStage(nn.Module):
         start = sum(layers_per_stage[: lay.pp_rank])
         self.layer_ids = list(range(start, start + layers_per_stage[lay.pp_rank]))
         kw = dict(seed=seed, device=device, sequence_parallel=sequence_parallel, compute_dtype=compute_dtype)
-        if self.first:
+        # loss.vocab_over_pp: every pipeline rank holds a slice of the output layer (parallel/vocab_pp.py),
+        # and with loss.embedding_over_pp a slice of the input embedding, which the trainer drives per step
+        self.vocab_pp = self.loss_cfg.vocab_over_pp and lay.pp > 1
+        self.embedding_pp = self.vocab_pp and self.loss_cfg.embedding_over_pp
+        if self.embedding_pp:
+            self.embedding = PPEmbedding(
+                vocab_padded, cfg.hidden_size, init_std=cfg.init_std, seed=seed, device=device,
+                vocab_size=vocab_size, sequence_parallel=sequence_parallel, compute_dtype=compute_dtype,
+            )  # fmt: skip
+        elif self.first:
             self.embedding = VocabParallelEmbedding(
                 vocab_padded, cfg.hidden_size, name="embedding", init_std=cfg.init_std, vocab_size=vocab_size, **kw
             )
         self.layers = nn.ModuleList(
             TransformerBlock(cfg, i, seed, device, sequence_parallel, compute_dtype) for i in self.layer_ids
         )
-        # loss.vocab_over_pp: every pipeline rank holds a slice of the output layer (parallel/vocab_pp.py)
-        self.vocab_pp = self.loss_cfg.vocab_over_pp and lay.pp > 1
         if self.last:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sequence_parallel)
         if self.last or self.vocab_pp:
@@ -146,8 +153,10 @@ class GPTStage(nn.Module):
     def forward(
         self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: KeepHolder | None = None
     ) -> torch.Tensor:
-        """First stage: x is token ids [s, b]. Last stage returns per-token loss [s·b]; others hidden."""
-        if self.first:
+        """First stage: x is token ids [s, b] (the embedded input under embedding_over_pp).
+
+        Last stage returns per-token loss [s·b]; others hidden."""
+        if self.first and not self.embedding_pp:
             x = self.embedding(x)
         for block in self.layers:
             x = block(x, self.rope_cos, self.rope_sin)

@@ -8,7 +8,8 @@ plus the activations 1F1B keeps in flight, for
 
   (a) the configured split (or the even one) with the vocabulary on the last stage,
   (b) the split that minimises the largest stage cost (embedding and loss included),
-  (c) ``loss.vocab_over_pp``: the output layer spread evenly over every stage, with its best split.
+  (c) ``loss.vocab_over_pp``: the output layer (and with ``loss.embedding_over_pp`` the input embedding)
+      spread evenly over every stage, with its best split.
 
 Estimates are analytic (what the model's matmuls do, Korthikanti et al. activation counts without
 the attention-score term since attention is fused), meant for ranking splits, not for absolute times.
@@ -59,7 +60,7 @@ class StageEstimate:
 
     layers: int
     parts: str
-    """Extra pieces on this stage: emb, loss, loss/p (a 1/pp share of the output layer)."""
+    """Extra pieces on this stage: emb, loss, emb/p and loss/p (1/pp shares of the vocabulary layers)."""
     flops: float
     """Forward+backward FLOPs per micro-batch."""
     params: float
@@ -117,7 +118,12 @@ def estimate(cfg: Config, split: list[int], vocab_over_pp: bool, vocab: int | No
         in_flight = min(pp - r, num_mb)
         act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
         parts = []
-        if r == 0:
+        if vocab_over_pp and cfg.loss.embedding_over_pp:
+            parts.append(f"emb/{pp}")
+            params += v_pad * h / shards
+            if r == 0:  # every micro-batch's input and its gradient live for the whole step
+                act += 2 * num_mb * tokens * h * elem / (tp if p.sequence_parallel else 1)
+        elif r == 0:
             parts.append("emb")
             params += v_pad * h / tp
             act += tokens * h * elem * in_flight / (tp if p.sequence_parallel else 1)

@@ -18,6 +18,15 @@ hooks ``send_forward_recv_backward`` / ``recv_backward``), i.e. in the slot wher
 for the last stage anyway. See docs/decisions/0800-vocab-over-pp-schedule.md for the bubble this
 leaves and why it cannot deadlock.
 
+Input embedding (``loss.embedding_over_pp``, on by default): sliced the same way, but batched per
+step instead of per micro-batch, because a lookup depends on nothing but the token ids, which every
+rank has. At the start of a step every rank looks up its slice for all micro-batches and ONE
+all-reduce over the model-parallel group assembles the first stage's inputs; after the pipeline
+drains the first stage's input gradients of all micro-batches go back the same way (one all-reduce)
+and every rank scatter-adds its slice's rows. Both sit outside the 1F1B loop, so the pipeline
+schedule is untouched; the price is a [micro-batches, s, b, h] buffer and two collectives per step
+on the critical path (docs/decisions/0801-embedding-over-pp.md).
+
 The slice maths is ``megasparse.loss.shard_forward`` / ``shard_backward``: Triton CCE on CUDA with
 ``loss.impl=cce``, the chunked torch reference otherwise (``impl=torch`` always uses it).
 """
@@ -25,12 +34,13 @@ The slice maths is ``megasparse.loss.shard_forward`` / ``shard_backward``: Trito
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from megasparse.configbase import ConfigError
 from megasparse.loss import shard_backward, shard_forward
 from megasparse.loss.config import LossConfig
 from megasparse.parallel import comm, state
+from megasparse.parallel.layers import padded_vocab_init
 from megasparse.parallel.pipeline import P2PSpec, StageComm
 
 REGION = "loss.vocab_pp"
@@ -226,3 +236,78 @@ class VocabPPStageComm(StageComm):
     def recv_backward(self) -> Tensor | None:
         self._loss_turn()
         return super().recv_backward()
+
+
+class PPEmbedding(nn.Module):
+    """Input embedding sliced over every (pp, tp) rank; lookups and gradients batched once per step.
+
+    Not an autograd op: ``lookup_all`` hands the first stage leaf tensors, the trainer runs the
+    pipeline, and ``backward_all`` turns the leaves' gradients into this slice's weight gradient.
+    """
+
+    def __init__(
+        self,
+        vocab_padded: int,
+        hidden: int,
+        *,
+        init_std: float,
+        seed: int,
+        device,
+        vocab_size: int,
+        sequence_parallel: bool,
+        compute_dtype: torch.dtype,
+    ):
+        super().__init__()
+        lay = state.layout()
+        self.start, per = slice_range(vocab_padded)
+        full = padded_vocab_init("embedding", vocab_size, vocab_padded, hidden, init_std, seed, device)
+        self.weight = nn.Parameter(full[self.start : self.start + per].contiguous())
+        self.weight.tp_spec = (0, [vocab_padded // lay.pp])
+        self.weight.pp_vocab = True
+        self.sp = sequence_parallel
+        self.dtype = compute_dtype
+        self._ids: Tensor | None = None
+
+    def _local(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        local = ids - self.start
+        valid = (local >= 0) & (local < self.weight.shape[0])
+        return torch.where(valid, local, torch.zeros_like(local)), valid
+
+    def _shard(self, t: Tensor) -> Tensor:
+        """[M, s, b, h] -> this TP rank's sequence shard under SP (the first stage's input layout)."""
+        if not self.sp:
+            return t
+        lay = state.layout()
+        return t.chunk(lay.tp, dim=1)[lay.tp_rank]
+
+    @torch.no_grad()
+    def lookup_all(self, ids: list[Tensor], requires_grad: bool) -> list[Tensor] | None:
+        """[s, b] ids of every micro-batch -> the first stage's inputs [s(/tp), b, h] (None on other stages)."""
+        self._ids = torch.stack(ids)
+        local, valid = self._local(self._ids)
+        out = self.weight.to(self.dtype)[local] * valid.unsqueeze(-1).to(self.dtype)
+        with comm.phase("forward"):
+            comm.all_reduce(out, state.mp_group(), "mp", region="embedding.vocab_pp")
+        if not state.layout().is_first_stage:
+            return None
+        return [x.contiguous().requires_grad_(requires_grad) for x in self._shard(out).unbind(0)]
+
+    @torch.no_grad()
+    def backward_all(self, inputs: list[Tensor] | None) -> None:
+        """Add this slice's gradient from the first stage's input gradients of the whole step."""
+        lay = state.layout()
+        assert self._ids is not None, "backward_all without lookup_all"
+        m, s, b = self._ids.shape
+        g = torch.zeros(m, s, b, self.weight.shape[1], dtype=self.dtype, device=self.weight.device)
+        # each row of g has exactly one contributor, so the sum is exact in any dtype
+        if inputs is not None and (self.sp or lay.tp_rank == 0):
+            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+            self._shard(g).copy_(torch.stack(grads))
+        with comm.phase("backward"):
+            comm.all_reduce(g, state.mp_group(), "mp", region="embedding.vocab_pp")
+        local, valid = self._local(self._ids)
+        dw = torch.zeros(self.weight.shape, dtype=torch.float32, device=g.device)
+        dw.index_add_(0, local.reshape(-1), g.reshape(-1, g.shape[-1]).float() * valid.reshape(-1, 1))
+        dw = dw.to(self.weight.dtype)
+        self.weight.grad = dw if self.weight.grad is None else self.weight.grad + dw
+        self._ids = None
