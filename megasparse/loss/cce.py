@@ -52,6 +52,8 @@ class KernelConfig:
 FWD_CONFIG = KernelConfig(128, 256, 64, 8, 3)
 BWD_CONFIG = KernelConfig(128, 128, 128, 8, 3, 8)
 _SMALL = KernelConfig(16, 32, 16, 4, 1, 2)  # interpreter / tiny problems
+# fp32 inputs: the bf16 tiles' shared-memory pipeline (3 stages of 4-byte tiles) exceeds Hopper's 227 KB
+_FP32 = {"fwd": KernelConfig(128, 256, 32, 8, 2), "bwd": KernelConfig(128, 128, 64, 8, 2, 8)}
 
 
 def backend_for(t: Tensor) -> str:
@@ -210,7 +212,11 @@ if triton is not None:
 def _pick(cfg: KernelConfig | None, default: KernelConfig, t: Tensor) -> KernelConfig:
     if cfg is not None:
         return cfg
-    return default if t.is_cuda else _SMALL
+    if not t.is_cuda:
+        return _SMALL
+    if t.element_size() > 2:
+        return _FP32["fwd" if default is FWD_CONFIG else "bwd"]
+    return default
 
 
 def _dot_prec(t: Tensor) -> str:
