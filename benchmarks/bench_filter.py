@@ -45,7 +45,7 @@ def overrides(a, mode: str, keep: float, seq: int) -> list[str]:
         f"filter.mode={mode}",
         f"filter.keep_ratio={keep}",
         "filter.scorer=loss",
-        f"filter.granularity={'shard' if a.sp else 'sequence'}",
+        f"filter.granularity={a.granularity or ('shard' if a.sp else 'sequence')}",
         "checkpoint.save_at_end=false",
     ]
 
@@ -117,6 +117,7 @@ def main() -> int:
     p.add_argument("--sp", action="store_true")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--granularity", default=None, help="filter.granularity (default: shard with --sp, else sequence)")
     p.add_argument("--sweep", action="store_true", help="also sweep keep 0.9..0.3 and seq 1K..8K (collider vs dense)")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_filter.json"))
     a = p.parse_args()
@@ -181,7 +182,7 @@ def main() -> int:
                 print(f"  {s['seq']:5d} {s['keep']:.2f} {s['step_speedup']:.3f} {s['bwd_ratio']:.3f}")
         print(
             f"\n{dev}, world {world}, tp {a.tp}{' +SP' if a.sp else ''}, {a.layers} TinyLlama layers, seq {a.seq}, "
-            f"micro-batch {a.mb}, keep {a.keep}"
+            f"micro-batch {a.mb}, keep {a.keep}, granularity {a.granularity or ('shard' if a.sp else 'sequence')}"
         )
         print(
             "| mode | fwd ms | select ms | bwd ms | optim ms | step ms | bwd vs dense | step vs dense | sel % step "

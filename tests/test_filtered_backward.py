@@ -78,6 +78,14 @@ def test_cce_loss_collider_matches_reference():
     assert res["densified"] == 0
 
 
+def test_sequence_granularity_batched_attention_matches_reference():
+    """Equal kept counts per sequence take the batched attention backward (one kernel for the micro-batch)."""
+    ov = ["filter.mode=collider", "filter.keep_ratio=0.5", "filter.granularity=sequence"]
+    res = run_distributed(grads_of, 1, ov)[0]
+    assert_close(res["grads"], reference_grads(res, "collider", 0.5, "sequence"))
+    assert res["densified"] == 0
+
+
 def test_keep_ratio_one_is_dense():
     dense = run_distributed(grads_of, 1, [])[0]
     full = run_distributed(grads_of, 1, ["filter.mode=collider", "filter.keep_ratio=1.0"])[0]
