@@ -12,6 +12,8 @@ Cases, all in one process group and one call:
 * ``vocab_pp``: ``loss.vocab_over_pp=true`` (output layer and input embedding sharded over every stage) with
   its planned split.
 
+``NAME:12-14`` runs case NAME with an explicit layer split instead of the planned one.
+
 Per stage it reports the step's GPU busy time (sum of non-communication kernel durations of one profiled
 step: what a stage computes, without the time it waits for its neighbours) and the peak allocated memory;
 both as the largest deviation from the stage mean. Step time is wall clock (the slowest rank, median of
@@ -44,11 +46,15 @@ CASES = ("last", "planned", "vocab_pp")
 
 def case_overrides(path: str, overrides: list[str], case: str) -> list[str]:
     """Dotted overrides that turn the benchmark's config into ``case``."""
-    if case == "last":
+    name, _, explicit = case.partition(":")
+    if name == "last":
         return ["loss.vocab_over_pp=false"]
-    vpp = case == "vocab_pp"
+    vpp = name == "vocab_pp"
     flag = f"loss.vocab_over_pp={str(vpp).lower()}"
-    split = planner.best_split(load_config(path, overrides + [flag]), vpp, dp=state.layout().dp)
+    if explicit:
+        split = [int(x) for x in explicit.split("-")]
+    else:
+        split = planner.best_split(load_config(path, overrides + [flag]), vpp, dp=state.layout().dp)
     return [flag, f"parallel.layer_split=[{','.join(map(str, split))}]"]
 
 
@@ -133,7 +139,7 @@ def summarize(case: str, overrides: list[str], cfg: Config, per_rank: list[dict]
 def format_table(rows: list[dict], device: str, layout: str) -> str:
     anchor = next((r for r in rows if r["case"] == "last"), rows[0])
     head = (
-        f"{'case':<9} {'layers':<10} {'step ms':>9} {'tok/s':>9} {'gain':>6} {'busy ms per stage':<22} "
+        f"{'case':<14} {'layers':<10} {'step ms':>9} {'tok/s':>9} {'gain':>6} {'busy ms per stage':<22} "
         f"{'±busy':>6} {'peak GiB per stage':<20} {'±mem':>6}"
     )
     lines = [f"pipeline balance | {device} | {layout}", head, "-" * len(head)]
@@ -141,7 +147,7 @@ def format_table(rows: list[dict], device: str, layout: str) -> str:
         busy = "/".join(f"{x:.0f}" for x in r["busy_ms_per_stage"])
         mem = "/".join(f"{x:.1f}" for x in r["mem_gib_per_stage"])
         lines.append(
-            f"{r['case']:<9} {str(r['layers_per_stage']):<10} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} "
+            f"{r['case']:<14} {str(r['layers_per_stage']):<10} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} "
             f"{anchor['step_ms'] / r['step_ms']:6.3f} {busy:<22} {100 * r['busy_spread']:5.1f}% {mem:<20} "
             f"{100 * r['mem_spread']:5.1f}%"
         )
@@ -164,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in a.cases.split(",") if c]
     world = state.world_env()[1]
     try:
-        if any(c not in CASES for c in cases):
-            raise ConfigError(f"--cases {a.cases!r}: use a comma list of {', '.join(CASES)}")
+        if any(c.partition(":")[0] not in CASES for c in cases):
+            raise ConfigError(f"--cases {a.cases!r}: use a comma list of {', '.join(CASES)} (NAME:12-14 for a split)")
         base = load_config(a.config, list(a.overrides))
         base.validate(world)
         if base.parallel.pp < 2:

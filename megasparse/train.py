@@ -24,7 +24,7 @@ from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_me
 from megasparse.model.gpt import GPTStage
 from megasparse.ops.compact import KeepMeta
 from megasparse.parallel import comm, state, vocab_pp
-from megasparse.parallel.pipeline import P2PSpec, StageComm, one_f_one_b
+from megasparse.parallel.pipeline import P2PSpec, StageComm, lockstep, one_f_one_b
 from megasparse.parallel.vocab_ce import KeepHolder
 
 
@@ -150,9 +150,7 @@ class Trainer:
                 rows=m.seq_length * cfg.train.micro_batch_size,
                 compute_dtype=self.compute_dtype,
             )
-            self.p2p = vocab_pp.VocabPPStageComm(spec, self.vocab_peer)
-        else:
-            self.p2p = StageComm(spec)
+        self.p2p = StageComm(spec)
         self.step = 0
         self.consumed = 0
         self.flops_tok = flops_per_token(m, self.vocab_padded)
@@ -294,12 +292,14 @@ class Trainer:
             else:
                 torch.autograd.backward(out, g)
 
-        if train:
-            if self.vocab_peer is not None:
-                self.p2p.begin([tok[:, 1:].t().reshape(-1) for tok in batches])
-            one_f_one_b(len(batches), self.p2p, forward_step, backward_step)
+        if train and self.model.vocab_pp:  # the output layer's slices meet once per micro-batch: lock step
+            peer = self.vocab_peer
+            slot = None if peer is None else lambda k: peer.step(batches[k][:, 1:].t().reshape(-1), train=True)
+            lockstep(len(batches), self.p2p, forward_step, backward_step, slot)
             if emb_pp is not None:
                 emb_pp.backward_all(inputs)
+        elif train:
+            one_f_one_b(len(batches), self.p2p, forward_step, backward_step)
         else:
             with torch.no_grad():
                 for i in range(len(batches)):

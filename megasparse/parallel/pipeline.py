@@ -116,6 +116,27 @@ class StageComm:
         comm.p2p([("send", y.contiguous(), self.next)] + ops, self.group)
         return self._recv_grad_phase2(buf)
 
+    def exchange(
+        self, y: torch.Tensor | None, want_x: bool, g: torch.Tensor | None, want_g: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One lock-step boundary: send last period's output ``y`` / input gradient ``g``, receive this period's.
+
+        Forward transfers first, then backward ones, each one batch posted by every stage at the same boundary.
+        Dense gradients only (the lock-step schedule runs with loss.vocab_over_pp, which refuses collider)."""
+        x = self._swap(y, self.next, want_x, self.prev)
+        with comm.phase("backward"):
+            gin = self._swap(g, self.prev, want_g, self.next)
+        return x, gin
+
+    def _swap(self, t: torch.Tensor | None, to: int | None, want: bool, frm: int | None) -> torch.Tensor | None:
+        """Send ``t`` to ``to`` and receive an activation-shaped tensor from ``frm`` in one batch."""
+        ops = [("send", t.contiguous(), to)] if t is not None and to is not None else []
+        r = self._act() if want and frm is not None else None
+        if r is not None:
+            ops.append(("recv", r, frm))
+        comm.p2p(ops, self.group)
+        return r
+
     def send_backward_recv_forward(self, g: torch.Tensor | None) -> torch.Tensor | None:
         if self.prev is None:
             return None
@@ -179,3 +200,44 @@ def one_f_one_b(
         bi += 1
         with comm.phase("backward"):
             p2p.send_backward(gin)
+
+
+def lockstep(
+    num_mb: int,
+    p2p: StageComm,
+    forward_step: Callable[[int, torch.Tensor | None], torch.Tensor],
+    backward_step: Callable[[int, torch.Tensor, torch.Tensor | None], None],
+    slot: Callable[[int], None] | None = None,
+) -> None:
+    """Every stage forwards, joins micro-batch k's vocabulary slot, then backwards, in the same period.
+
+    For ``loss.vocab_over_pp``: the output layer's slices meet in collectives once per micro-batch, so the
+    stages must reach them together. In period p stage r runs F(p − r), the slot of micro-batch p − (P−1)
+    (the last stage's is inside its own F/B: its loss), then B(p − 2(P−1) + r); every input was produced one
+    period earlier by a neighbour and crosses at the period boundary (``StageComm.exchange``). With equal stage
+    times the slot costs no waiting (1F1B would put it where the other stages are out of phase by a backward).
+    The price: stage r holds 2(P−1−r)+1 micro-batches in flight instead of P−r (docs/decisions/0800).
+    """
+    lay = state.layout()
+    P, r = lay.pp, lay.pp_rank
+    holders: list[dict] = [{} for _ in range(num_mb)]
+    outputs: dict[int, torch.Tensor] = {}
+    y = gin = None
+    for p in range(num_mb + 2 * (P - 1)):
+        fi, si, bi = p - r, p - (P - 1), p - 2 * (P - 1) + r
+        do_f, do_b = 0 <= fi < num_mb, 0 <= bi < num_mb
+        x, g = p2p.exchange(y, do_f, gin, do_b)
+        y = gin = None
+        if do_f:
+            if x is not None:
+                x = _Catch.apply(x.requires_grad_(), holders[fi])
+            out = forward_step(fi, x)
+            outputs[fi] = out
+            y = None if lay.is_last_stage else out
+        if slot is not None and 0 <= si < num_mb:
+            slot(si)
+        if do_b:
+            with comm.phase("backward"):
+                backward_step(bi, outputs.pop(bi), g)
+            gin = holders[bi].pop("grad", None)
+    # every stage's last input gradient crossed inside the loop, except the first stage's, which has no consumer

@@ -115,7 +115,8 @@ def estimate(cfg: Config, split: list[int], vocab_over_pp: bool, vocab: int | No
     for r, n in enumerate(split):
         params = n * layer_params(cfg) / tp
         flops = n * layer_flops(cfg, tokens) / tp
-        in_flight = min(pp - r, num_mb)
+        # 1F1B keeps pp − r micro-batches in flight; vocab_over_pp's lock-step schedule 2(pp − 1 − r) + 1
+        in_flight = min(2 * (pp - 1 - r) + 1 if vocab_over_pp else pp - r, num_mb)
         act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
         parts = []
         if vocab_over_pp and cfg.loss.embedding_over_pp:

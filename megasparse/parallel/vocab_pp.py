@@ -12,11 +12,10 @@ Every (pp, tp) rank holds a [V_pad/(tp·pp), h] slice of the output weight, slic
   partials are summed over the model-parallel group and the last stage feeds the sum (its SP shard
   of it) into the final-norm backward.
 
-Scheduling (synchronous, no extra P2P reordering): the non-last stages do their part of micro-batch
-k's loss right before they block on the gradient of micro-batch k in 1F1B (``VocabPPStageComm``
-hooks ``send_forward_recv_backward`` / ``recv_backward``), i.e. in the slot where they would wait
-for the last stage anyway. See docs/decisions/0800-vocab-over-pp-schedule.md for the bubble this
-leaves and why it cannot deadlock.
+Scheduling: the stages run in lock step (``pipeline.lockstep``): in each period every stage does one
+forward, the loss slice of the micro-batch the last stage is on (the last stage's own slice is inside
+its forward/backward), then one backward, so the slices meet without waiting for each other. See
+docs/decisions/0800-vocab-over-pp-schedule.md for why not 1F1B and what it costs in memory.
 
 Input embedding (``loss.embedding_over_pp``, on by default): sliced the same way, but batched per
 step instead of per micro-batch, because a lookup depends on nothing but the token ids, which every
@@ -41,7 +40,6 @@ from megasparse.loss import shard_backward, shard_forward
 from megasparse.loss.config import LossConfig
 from megasparse.parallel import comm, state
 from megasparse.parallel.layers import padded_vocab_init
-from megasparse.parallel.pipeline import P2PSpec, StageComm
 
 REGION = "loss.vocab_pp"
 
@@ -205,37 +203,6 @@ class VocabPPPeer:
             self.weight.grad = d_c
         else:
             self.weight.grad += d_c
-
-
-class VocabPPStageComm(StageComm):
-    """StageComm of a non-last stage that does micro-batch k's loss slice right before waiting for its gradient.
-
-    1F1B asks for the gradients of micro-batches 0, 1, 2, ... in order, once each, through either
-    ``send_forward_recv_backward`` (steady state) or ``recv_backward`` (cool-down); the last stage runs
-    loss k between its forward and backward of k, so both sides meet in the same order.
-    """
-
-    def __init__(self, spec: P2PSpec, peer: VocabPPPeer):
-        super().__init__(spec)
-        self.peer = peer
-        self._targets: list[Tensor] = []
-        self._next = 0
-
-    def begin(self, targets: list[Tensor]) -> None:
-        """Targets ([s·b] each) of this step's micro-batches, in schedule order."""
-        self._targets, self._next = targets, 0
-
-    def _loss_turn(self) -> None:
-        self.peer.step(self._targets[self._next], train=True)
-        self._next += 1
-
-    def send_forward_recv_backward(self, y: Tensor) -> Tensor | None:
-        self._loss_turn()
-        return super().send_forward_recv_backward(y)
-
-    def recv_backward(self) -> Tensor | None:
-        self._loss_turn()
-        return super().recv_backward()
 
 
 class PPEmbedding(nn.Module):
