@@ -169,16 +169,19 @@ def all_gather(t: torch.Tensor, group, group_name: str, dim: int = 0, region: st
     return out
 
 
-def reduce_scatter(t: torch.Tensor, group, group_name: str, region: str | None = None) -> torch.Tensor:
-    """Sum over ranks, then keep this rank's slice of dim 0 (dim 0 must divide by the group size)."""
+def reduce_scatter(t: torch.Tensor, group, group_name: str, region: str | None = None, async_op: bool = False):
+    """Sum over ranks, then keep this rank's slice of dim 0 (dim 0 must divide by the group size).
+
+    With ``async_op`` returns (out, work or None): the caller overlaps work (the wgrad GEMM) before ``wait``."""
     n = world_size(group)
     if n == 1:
-        return t
+        return (t, None) if async_op else t
     t = t.contiguous()
     t0 = _t0(t)
     out = torch.empty((t.shape[0] // n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    work = None
     if t.is_cuda:
-        dist.reduce_scatter_tensor(out, t, group=group)
+        work = dist.reduce_scatter_tensor(out, t, group=group, async_op=async_op)
     else:
         # gloo has no reduce_scatter: all-reduce then slice moves more bytes than NCCL would, but the
         # record counts the logical payload (the input), which is what the NCCL path sends.
@@ -186,7 +189,7 @@ def reduce_scatter(t: torch.Tensor, group, group_name: str, region: str | None =
         dist.all_reduce(buf, group=group)
         out.copy_(buf.chunk(n)[dist.get_rank(group)])
     _record("reduce_scatter", group_name, t, region, t0)
-    return out
+    return (out, work) if async_op else out
 
 
 def broadcast(t: torch.Tensor, src: int, group, group_name: str, region: str | None = None) -> None:

@@ -77,19 +77,17 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             meta = g.meta
             dx = gemm.dgrad(g.rows, w)
             if sp:
-                dx, local = rows.reduce_scatter_rows(dx, meta, group, lay.tp, lay.tp_rank, region)
-                dw = gemm.wgrad(g.rows, rows_of(total, meta))
-                return CompactGrad(dx, local, x_shape), dw.to(wdtype), None, None, None, None
-            work = comm.all_reduce(dx, group, "tp", region=region, async_op=True)
-            dw = gemm.wgrad(g.rows, rows_of(total, meta))
+                dx, meta_out, work = rows.reduce_scatter_rows(dx, meta, group, lay.tp, lay.tp_rank, region)
+            else:
+                meta_out, work = meta, comm.all_reduce(dx, group, "tp", region=region, async_op=True)
+            dw = gemm.wgrad(g.rows, rows_of(total, meta))  # overlaps the dgrad collective
             if work is not None:
                 work.wait()
-            return CompactGrad(dx, meta, x_shape), dw.to(wdtype), None, None, None, None
+            return CompactGrad(dx, meta_out, x_shape), dw.to(wdtype), None, None, None, None
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
         if sp:
-            dx = comm.reduce_scatter(dx, group, "tp", region=region)
-            work = None
+            dx, work = comm.reduce_scatter(dx, group, "tp", region=region, async_op=True)
         else:
             work = comm.all_reduce(dx, group, "tp", region=region, async_op=True)
         dw = gemm.wgrad(g2, _flat(total))

@@ -61,7 +61,9 @@ def gather_rows(rows: torch.Tensor, local_meta: KeepMeta, group, tp: int, tp_ran
 
 
 def reduce_scatter_rows(rows: torch.Tensor, global_meta: KeepMeta, group, tp: int, tp_rank: int, region: str):
-    """SP backward reduce-scatter on kept rows: global [Σc, h] partial sums → this rank's [c_r, h]."""
+    """SP backward reduce-scatter on kept rows: global [Σc, h] partial sums → this rank's [c_r, h].
+
+    Asynchronous: returns (rows, local meta, work or None); wait on work before reading the rows."""
     local, counts = sp_split(global_meta, tp, tp_rank)
     pad = max(counts)
     if pad * tp != rows.shape[0]:
@@ -71,5 +73,5 @@ def reduce_scatter_rows(rows: torch.Tensor, global_meta: KeepMeta, group, tp: in
             padded[r * pad : r * pad + c] = rows[start : start + c]
             start += c
         rows = padded
-    out = comm.reduce_scatter(rows, group, "tp", region=region)
-    return out[: counts[tp_rank]], local
+    out, work = comm.reduce_scatter(rows, group, "tp", region=region, async_op=True)
+    return out[: counts[tp_rank]], local, work

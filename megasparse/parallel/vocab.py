@@ -103,7 +103,9 @@ def compact_kept_grad(d_rows: Tensor, rows: Tensor, meta, group, sequence_parall
     lay = state.layout()
     with comm.phase("backward"):
         if sequence_parallel and tp_size(group) > 1:
-            local_rows, local = rowops.reduce_scatter_rows(d_rows, meta, group, lay.tp, lay.tp_rank, REGION)
+            local_rows, local, work = rowops.reduce_scatter_rows(d_rows, meta, group, lay.tp, lay.tp_rank, REGION)
+            if work is not None:
+                work.wait()
             return CompactGrad(local_rows.to(d_rows.dtype), local, h_shape)
         comm.all_reduce(d_rows, group, GROUP, region=REGION)
     return CompactGrad(d_rows, meta, h_shape)

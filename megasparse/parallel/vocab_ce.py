@@ -87,7 +87,9 @@ class VocabParallelCEFn(torch.autograd.Function):
         dw = (d.t() @ x2d).to(wdtype)
         if meta is not None:
             if sp:
-                dx, local = rows.reduce_scatter_rows(dx, meta, group, lay.tp, lay.tp_rank, "loss.dgrad")
+                dx, local, work = rows.reduce_scatter_rows(dx, meta, group, lay.tp, lay.tp_rank, "loss.dgrad")
+                if work is not None:
+                    work.wait()
                 return CompactGrad(dx, local, h_shape), dw, None, None, None, None, None, None, None
             comm.all_reduce(dx, group, "tp", region="loss.dgrad")
             return CompactGrad(dx, meta, h_shape), dw, None, None, None, None, None, None, None
