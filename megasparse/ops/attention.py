@@ -87,8 +87,7 @@ class AttentionFn(torch.autograd.Function):
             if group > 1:
                 dk = dk.unflatten(1, (nkv, group)).sum(2)
                 dv = dv.unflatten(1, (nkv, group)).sum(2)
-            # pos: [t] for one sequence, or [bb, t] for sequences with equal kept counts
-            c, sn = cos[pos].to(dq.dtype), sin[pos].to(dq.dtype)
+            c, sn = cos[pos].to(dq.dtype), sin[pos].to(dq.dtype)  # pos: [t] shared, or [bb, t] per sequence
             c, sn = (c[None, None], sn[None, None]) if pos.dim() == 1 else (c[:, None], sn[:, None])
             dq = apply_rope(dq, c, sn, inverse=True)
             dk = apply_rope(dk, c, sn, inverse=True)
@@ -99,29 +98,20 @@ class AttentionFn(torch.autograd.Function):
             dq, dk, dv = _flash_bwd(go, q, ke, ve, out, lse, rng, scale)
             return finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape), None, None, None, None
 
-        rows = g.rows.new_empty(g.rows.shape[0], shape[-1])
-        per_seq = g.meta.per_sequence()
-        counts = {int(p.numel()) for _, p, _ in per_seq}
-        if len(per_seq) > 1 and len(counts) == 1 and 0 not in counts:
-            # equal kept counts per sequence (granularity=sequence): one batched kernel instead of a loop
-            pos = torch.stack([p for _, p, _ in per_seq])  # [b, t]
-            sel = torch.stack([c for _, _, c in per_seq])  # [b, t] compact-row indices
-            go = g.rows.index_select(0, sel.reshape(-1)).view(b, -1, nq, d).permute(0, 2, 1, 3)
-            ix = pos[:, None, :, None]
-            sub = [t.gather(2, ix.expand(-1, t.shape[1], -1, t.shape[3])) for t in (q, ke, ve, out)]
-            lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)).contiguous()
-            dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
-            rows.index_copy_(0, sel.t().reshape(-1), finish(dq, dk, dv, pos).reshape(-1, shape[-1]))
-            return CompactGrad(rows, g.meta, shape), None, None, None, None
-        for j, pos, sel in per_seq:
-            if pos.numel() == 0:
-                continue
-            go = g.rows.index_select(0, sel).view(1, -1, nq, d).permute(0, 2, 1, 3)
-            sub = [t[j : j + 1].index_select(2, pos) for t in (q, ke, ve, out)]
-            lse_j = lse[j : j + 1].index_select(2, pos).contiguous()
-            dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_j, rng, scale)
-            rows.index_copy_(0, sel, finish(dq, dk, dv, pos).reshape(-1, shape[-1]))
-        return CompactGrad(rows, g.meta, shape), None, None, None, None
+        # One batched kernel over the micro-batch: each sequence's kept positions, padded at the end to the
+        # longest. Padded queries get a zero output gradient, so they add nothing to any real dq/dk/dv, and
+        # causal order keeps real queries off the padded keys: exact, whatever the per-sequence counts.
+        pos, sel = g.meta.padded_per_sequence()  # [b, m] positions, [b, m] compact rows (K = padding)
+        k_rows = g.rows.shape[0]
+        src = torch.cat([g.rows, g.rows.new_zeros(1, g.rows.shape[1])])
+        go = src.index_select(0, sel.reshape(-1)).view(b, -1, nq, d).permute(0, 2, 1, 3)
+        ix = pos[:, None, :, None]
+        sub = [t.gather(2, ix.expand(-1, t.shape[1], -1, t.shape[3])) for t in (q, ke, ve, out)]
+        lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)).contiguous()
+        dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
+        rows = g.rows.new_empty(k_rows + 1, shape[-1])  # the last row takes (and drops) the padding
+        rows.index_copy_(0, sel.t().reshape(-1), finish(dq, dk, dv, pos).reshape(-1, shape[-1]))
+        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None
 
 
 def attention(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,26 @@ class KeepMeta:
             self._cache["per_seq"] = out
         return self._cache["per_seq"]
 
+    def padded_per_sequence(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([b, m] kept positions, [b, m] compact-row indices), each sequence padded at the end to the longest.
+
+        Padding repeats the sequence's last kept position (position 0 if it keeps none) and points at row K
+        (one past the compact rows), which callers fill with zeros and drop. Memoised per micro-batch."""
+
+        def build():
+            per = self.per_sequence()
+            m = max(1, max(int(p.numel()) for _, p, _ in per))
+            pos = torch.zeros(self.batch, m, dtype=torch.long, device=self.idx.device)
+            sel = torch.full((self.batch, m), self.idx.numel(), dtype=torch.long, device=self.idx.device)
+            for j, p, rows in per:
+                n = int(p.numel())
+                if n:
+                    pos[j, :n], sel[j, :n] = p, rows
+                    pos[j, n:] = p[-1]
+            return pos, sel
+
+        return self.derived("per_seq_padded", build)
+
     def derived(self, key: str, fn):
         """Memoise per-micro-batch derived metadata (e.g. the SP shard split) across layers."""
         if key not in self._cache:
