@@ -26,25 +26,40 @@ def test_triton_kernel_interpreted(case):
 
 def _masks() -> None:
     from megasparse.sparse24.masks import (
+        PATTERNS,
         is_transposable_24,
         kept_magnitude,
         transposable_mask_reference,
         transposable_mask_triton,
     )
 
-    for dtype in (torch.float32, torch.bfloat16):
-        for shape in ((4, 4), (12, 136)):  # 136/4 = 34 blocks: a partial second tile at bb=16
-            w = torch.randn(*shape).to(dtype)
-            w[:4, :4] = 0.5  # ties
-            r = transposable_mask_reference(w)
-            for gather, split in ((False, False), (True, True)):
-                m = transposable_mask_triton(w, br=2, bb=16, gather=gather, split=split)
-                assert m.dtype == torch.bool and m.shape == w.shape
-                assert is_transposable_24(m), (dtype, shape)
-                torch.testing.assert_close(kept_magnitude(w, m), kept_magnitude(w, r), rtol=0, atol=0)
+    def best_score(w: torch.Tensor) -> torch.Tensor:  # brute force: every block against all 90 patterns, fp64
+        r, c = w.shape
+        blocks = w.abs().double().reshape(r // 4, 4, c // 4, 4).permute(0, 2, 1, 3).reshape(r // 4, c // 4, 16)
+        return (blocks @ PATTERNS.double().t()).amax(-1)
+
+    launches = [dict(kernel="dot", gather=g, split=s) for g, s in ((False, False), (True, True))]
+    launches += [dict(kernel="pairs", vec=v, br=br) for v in (False, True) for br in (1, 2)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        # 136/4 = 34 blocks: a partial second tile at bb=16; 20/4 = 5 block rows: a partial tile at br=2
+        for shape in ((4, 4), (12, 136), (20, 24)):
+            dense = torch.randn(*shape).to(dtype)
+            dense[:4, :4] = 0.5  # one block of exact ties
+            ties = torch.randint(-2, 3, shape).to(dtype)  # small integers: many exact ties, every sum exact
+            for w in (dense, ties):
+                r = transposable_mask_reference(w)
+                for kw in launches:
+                    m = transposable_mask_triton(w, bb=16, **kw)
+                    assert m.dtype == torch.bool and m.shape == w.shape
+                    assert is_transposable_24(m), (dtype, shape, kw)
+                    torch.testing.assert_close(kept_magnitude(w, m), best_score(w), rtol=0, atol=0)
+                    if w is ties:  # exact arithmetic: both kernels break ties by the lowest pattern index
+                        assert torch.equal(m, r), (dtype, shape, kw)
     w = torch.randn(8, 16)
     w2 = torch.cat([w, torch.zeros(8, 16)], 1)[:, :16]  # strided view (row stride 32)
-    assert torch.equal(transposable_mask_triton(w2), transposable_mask_reference(w))
+    for kernel in ("dot", "pairs"):
+        assert torch.equal(transposable_mask_triton(w2, kernel=kernel), transposable_mask_reference(w))
+    assert torch.equal(transposable_mask_triton(w.double()), transposable_mask_reference(w))
 
 
 def _mvue() -> None:
