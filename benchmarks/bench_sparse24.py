@@ -303,6 +303,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--quick", action="store_true", help="TP=1 only")
+    p.add_argument("--mask-only", action="store_true", help="checks and the mask-search section only")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -317,8 +318,9 @@ def main() -> int:
     checks(dev)
     print(json.dumps(RESULTS["checks"], indent=1), flush=True)
     mask_bandwidth(dev)
-    gemm_table(dev, args.tokens, tps)
-    ffn_table(dev, args.tokens, tps)
+    if not args.mask_only:
+        gemm_table(dev, args.tokens, tps)
+        ffn_table(dev, args.tokens, tps)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_sparse24.json"), "w") as fh:
         json.dump(RESULTS, fh, indent=1, default=str)
@@ -342,7 +344,7 @@ def print_tables() -> None:
     print("\nper GEMM, ms (ratio = dense/sparse); wgrad sparse = MVUE + compress(∇Yᵀ) + spmm; refresh = both packings")
     hdr = "  d     dff   tp layer shape         fwd d/s (x)          dgrad d/s (x)        wgrad d/s (x)   refresh mask"
     print(hdr)
-    for r in RESULTS["gemm"]:
+    for r in RESULTS.get("gemm", []):
         wg_s = r["mvue"] + r["compress_grad"] + r["wgrad_sparse_gemm"]
         print(
             f"  {r['d']:<5} {r['dff']:<5} {r['tp']:<2} {r['layer']:<5} {str(r['shape']):<13} "
@@ -352,7 +354,7 @@ def print_tables() -> None:
             f"{r['value_refresh']:.3f} {r['mask_search']:.3f}"
         )
     print("\nSwiGLU FFN fwd+bwd, ms, all per-step overheads in (value refresh each step, mask refresh / 40)")
-    for r in RESULTS["ffn"]:
+    for r in RESULTS.get("ffn", []):
         print(
             f"  d={r['d']} dff={r['dff']} tp={r['tp']}: dense {r['dense_ms']:.2f} | sparse dense-wgrad "
             f"{r.get('sparse_dense_wgrad_ms', float('nan')):.2f} ({r.get('speedup_dense_wgrad', float('nan')):.2f}x)"

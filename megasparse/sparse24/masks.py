@@ -306,9 +306,9 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 MASK_KERNEL_CONFIG = {"br": 2, "bb": 64, "gather": True, "split": False, "num_warps": 4}
 """Launch shape of the "dot" mask kernel (from the H100 sweep in benchmarks/bench_sparse24.py)."""
 
-PAIRS_KERNEL_CONFIG = {"br": 2, "bb": 128, "vec": False, "num_warps": 4}
+PAIRS_KERNEL_CONFIG = {"br": 1, "bb": 128, "vec": False, "num_warps": 4}
 """Launch shape of the "pairs" mask kernel: br x bb blocks per program, vec = one 4-wide load per block row.
-Not yet swept on a GPU."""
+Fastest of 9 swept on an H200 (69% of copy bandwidth on 28672x4096; docs/benchmarks/sparse24.md)."""
 
 MASK_KERNEL = "pairs"
 """Default Triton mask kernel: "pairs" (row-pair scores + best completion per column-demand class, registers
