@@ -138,6 +138,12 @@ class Config:
             raise ConfigError("filter.granularity=shard needs parallel.sequence_parallel=true")
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")
+        split = self.loss.embedding_pp_split
+        if split is not None and (len(split) != p.pp or min(split) < 0 or abs(sum(split) - 1.0) > 1e-6):
+            raise ConfigError(
+                f"loss.embedding_pp_split={split}: give parallel.pp={p.pp} non-negative fractions summing to 1, "
+                "or null to let the planner balance memory"
+            )
         return dp
 
     def num_microbatches(self, dp: int) -> int:

@@ -116,6 +116,7 @@ class Trainer:
             compute_dtype=self.compute_dtype,
             sequence_parallel=cfg.parallel.sequence_parallel,
             loss=cfg.loss,
+            embedding_rows=self._embedding_rows(),
         )
         self.sparsity = self._build_sparsity() if cfg.sparsity.enabled else None
         decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
@@ -156,6 +157,19 @@ class Trainer:
         self.flops_tok = flops_per_token(m, self.vocab_padded)
         self.peak = peak_tflops(self.device)
         self.out_dir = Path(cfg.logging.out_dir)
+
+    def _embedding_rows(self) -> list[int] | None:
+        """Input-embedding rows per stage under vocab_over_pp: the planner's memory-balancing split (or the
+        configured loss.embedding_pp_split), in whole TP-divisible vocabulary blocks."""
+        cfg = self.cfg
+        if not (cfg.loss.vocab_over_pp and cfg.loss.embedding_over_pp and self.lay.pp > 1):
+            return None
+        from megasparse.parallel import planner
+
+        split = cfg.parallel.stage_layers(cfg.model.num_layers)
+        shares = planner.embedding_shares(cfg, split, self.vocab, self.lay.dp)
+        unit = cfg.model.make_vocab_divisible_by * self.lay.tp
+        return vocab_pp.stage_rows(self.vocab_padded, shares, unit)
 
     # -- 2:4 sparse FFNs ----------------------------------------------------------------------------
     def _build_sparsity(self):

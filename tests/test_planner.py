@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from megasparse.config import load_config
-from megasparse.parallel.planner import best_split, estimate, even_split, main, plans
+from megasparse.parallel.planner import best_split, embedding_shares, estimate, even_split, main, plans
 
 TINY = [
     "model.num_layers=4",
@@ -100,10 +100,23 @@ def test_cli_prints_three_tables_and_the_recommendation(capsys):
     assert main(TINY + ["model.vocab_size=200000", "model.num_layers=12", "--dp", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("GFLOP/mb") == 3 + 3  # three headers, three summaries
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("recommended: parallel.layer_split=[")
+    rec, emb = out.strip().splitlines()[-2:]
+    assert rec.startswith("recommended: parallel.layer_split=[")
     cfg = load_config(None, TINY + ["model.vocab_size=200000", "model.num_layers=12"])
-    assert str(best_split(cfg, False, dp=2)) in last
+    assert str(best_split(cfg, False, dp=2)) in rec
+    assert emb.startswith("with vocab_over_pp the input embedding is split [")
+
+
+def test_embedding_goes_where_activations_are_fewest():
+    """Water-filling: with a big activation footprint the embedding moves to the later stages and levels memory."""
+    cfg = load_config(None, TINY + ["model.seq_length=4096", "model.vocab_size=20000", "train.dtype=bf16"])
+    shares = embedding_shares(cfg, [1, 1, 1, 1], dp=1)
+    assert sum(shares) == pytest.approx(1.0) and shares == sorted(shares) and shares[0] < shares[-1]
+    plan = estimate(cfg, [1, 1, 1, 1], True, emb_shares=shares)
+    mem = [s.mem_gib for s, share in zip(plan.stages, shares) if share > 0]  # the stages that took embedding rows
+    assert max(mem) - min(mem) < 1e-6 * max(mem)
+    even = estimate(cfg, [1, 1, 1, 1], True, emb_shares=[0.25] * 4)
+    assert max(s.mem_gib for s in plan.stages) < max(s.mem_gib for s in even.stages)
 
 
 def test_cli_needs_a_vocabulary(capsys):

@@ -82,17 +82,24 @@ def test_pp4_vocab_over_pp_matches_single_and_balances_flops(single):
     assert sum(per_stage) == 6 * num_mb * ROWS * 250 * H
     # without vocab_over_pp the last stage alone would do sum(per_stage); now no stage does more than ~1/4 of it
     assert sum(per_stage) > 3.5 * max(per_stage)
-    # memory: both vocabulary matrices are split evenly, a quarter on every stage (embedding_over_pp default)
+    # memory: the output layer a quarter on every stage; the input embedding wherever the planner finds the least
+    # activation memory (the later stages: 1F1B-like schedules front-load activations), all of it exactly once
     vpad = single["vocab_rows"]["output_weight"]
-    for r in res:
-        assert r["vocab_rows"] == {"embedding.weight": vpad // 4, "output_weight": vpad // 4}, r["vocab_rows"]
+    emb = [r["vocab_rows"]["embedding.weight"] for r in sorted(res, key=lambda r: r["stage"])]
+    assert all(r["vocab_rows"]["output_weight"] == vpad // 4 for r in res)
+    assert sum(emb) == vpad and emb[-1] >= emb[0], emb
 
 
 @pytest.mark.slow
 def test_tp2_pp2_sp_vocab_over_pp_matches_single(single):
-    ov = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "loss.vocab_over_pp=true"]
+    # the whole input embedding on the last stage: the first stage holds none and still joins its collectives
+    ov = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "loss.vocab_over_pp=true",
+          "loss.embedding_pp_split=[0.0,1.0]"]  # fmt: skip
     res = run_distributed(_run, 4, ov, STEPS)
     _check_equal(res, single)
+    vpad = single["vocab_rows"]["output_weight"]
+    for r in res:  # per TP rank: stage 0 none, stage 1 half the vocabulary (TP=2)
+        assert r["vocab_rows"]["embedding.weight"] == (0 if r["stage"] == 0 else vpad // 2)
 
 
 MASK = ["filter.mode=loss_mask", "filter.scorer=loss", "filter.keep_ratio=0.5"]
@@ -114,6 +121,16 @@ def test_pp2_output_only_over_pp_keeps_embedding_on_first_stage(single):
     vpad = single["vocab_rows"]["output_weight"]
     assert by_stage[0] == {"embedding.weight": vpad, "output_weight": vpad // 2}
     assert by_stage[1] == {"output_weight": vpad // 2}
+
+
+def test_bad_embedding_split_is_one_line():
+    from megasparse.config import load_config
+    from megasparse.configbase import ConfigError
+
+    cfg = load_config(None, BASE + ["parallel.pp=2", "loss.vocab_over_pp=true", "loss.embedding_pp_split=[0.5]"])
+    with pytest.raises(ConfigError, match="loss.embedding_pp_split") as e:
+        cfg.validate(2)
+    assert "\n" not in str(e.value)
 
 
 def test_collider_is_refused_with_one_line():

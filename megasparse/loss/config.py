@@ -32,6 +32,10 @@ class LossConfig:
     embedding_over_pp: bool = True
     """With vocab_over_pp, shard the input embedding over pipeline ranks as well, so the first stage does not
     keep a whole vocabulary's weights and optimizer state (memory balance). Ignored without vocab_over_pp."""
+    embedding_pp_split: list[float] | None = None
+    """Fraction of the input-embedding rows on each pipeline stage (with embedding_over_pp). None lets the planner
+    pick it: the embedding costs memory but almost no compute, so it goes where the pipeline holds the fewest
+    activations (the last stages) until the estimated per-stage memory is level."""
 
     def validate(self) -> None:
         if self.impl not in ("cce", "torch"):

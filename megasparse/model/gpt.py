@@ -107,7 +107,9 @@ class GPTStage(nn.Module):
         compute_dtype: torch.dtype,
         sequence_parallel: bool = False,
         loss: LossConfig | None = None,
+        embedding_rows: list[int] | None = None,
     ):
+        """``embedding_rows``: input-embedding rows per pipeline stage under embedding_over_pp (None: even)."""
         super().__init__()
         lay = state.layout()
         self.cfg = cfg
@@ -127,6 +129,7 @@ class GPTStage(nn.Module):
             self.embedding = PPEmbedding(
                 vocab_padded, cfg.hidden_size, init_std=cfg.init_std, seed=seed, device=device,
                 vocab_size=vocab_size, sequence_parallel=sequence_parallel, compute_dtype=compute_dtype,
+                rows_per_stage=embedding_rows,
             )  # fmt: skip
         elif self.first:
             self.embedding = VocabParallelEmbedding(

@@ -99,8 +99,18 @@ def _vocab(cfg: Config, vocab: int | None) -> int:
     return v
 
 
-def estimate(cfg: Config, split: list[int], vocab_over_pp: bool, vocab: int | None = None, dp: int = 1) -> Plan:
-    """Per-stage FLOPs and memory of ``split`` (layers per stage) for the layout in ``cfg``."""
+def estimate(
+    cfg: Config,
+    split: list[int],
+    vocab_over_pp: bool,
+    vocab: int | None = None,
+    dp: int = 1,
+    emb_shares: list[float] | None = None,
+) -> Plan:
+    """Per-stage FLOPs and memory of ``split`` (layers per stage) for the layout in ``cfg``.
+
+    With vocab_over_pp and embedding_over_pp, ``emb_shares`` are the stages' fractions of the input embedding
+    (None: the configured ``loss.embedding_pp_split``, else an even split)."""
     m, p = cfg.model, cfg.parallel
     v = _vocab(cfg, vocab)
     pp, tp = len(split), p.tp
@@ -120,8 +130,9 @@ def estimate(cfg: Config, split: list[int], vocab_over_pp: bool, vocab: int | No
         act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
         parts = []
         if vocab_over_pp and cfg.loss.embedding_over_pp:
-            parts.append(f"emb/{pp}")
-            params += v_pad * h / shards
+            shares = emb_shares or cfg.loss.embedding_pp_split or [1.0 / pp] * pp
+            parts.append(f"emb{100 * shares[r]:.0f}%")
+            params += v_pad * h / tp * shares[r]
             if r == 0:  # every micro-batch's input and its gradient live for the whole step
                 act += 2 * num_mb * tokens * h * elem / (tp if p.sequence_parallel else 1)
         elif r == 0:
@@ -144,6 +155,27 @@ def estimate(cfg: Config, split: list[int], vocab_over_pp: bool, vocab: int | No
         stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, params * STATE_BYTES / GIB, act / GIB))
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
     return Plan(name, list(split), vocab_over_pp, stages, num_mb)
+
+
+def embedding_shares(cfg: Config, split: list[int], vocab: int | None = None, dp: int = 1) -> list[float]:
+    """Input-embedding fraction per stage under vocab_over_pp: the configured one, else water-filling.
+
+    The embedding's weights and optimizer state are the one large memory item with (almost) no compute, so the
+    stages with the least estimated memory without it take it until their estimates are level."""
+    pp = len(split)
+    if cfg.loss.embedding_pp_split is not None:
+        return list(cfg.loss.embedding_pp_split)
+    base = [s.mem_gib for s in estimate(cfg, split, True, vocab, dp, emb_shares=[0.0] * pp).stages]
+    m, tp = cfg.model, cfg.parallel.tp
+    mult = m.make_vocab_divisible_by * tp * pp
+    v_pad = -(-_vocab(cfg, vocab) // mult) * mult
+    total = v_pad * m.hidden_size / tp * STATE_BYTES / GIB
+    lo, hi = min(base), max(base) + total
+    for _ in range(100):  # bisect the water level: sum of max(0, level - base) == total
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(max(0.0, mid - b) for b in base) < total else (lo, mid)
+    fill = [max(0.0, hi - b) for b in base]
+    return [f / sum(fill) for f in fill]
 
 
 def best_split(cfg: Config, vocab_over_pp: bool, vocab: int | None = None, dp: int = 1) -> list[int]:
@@ -190,17 +222,17 @@ def even_split(layers: int, pp: int) -> list[int]:
 def format_plan(plan: Plan, anchor: Plan) -> str:
     lines = [f"({plan.name}) parallel.layer_split={plan.split}"]
     lines.append(
-        f"{'stage':>5} {'layers':>6} {'extra':>10} {'GFLOP/mb':>10} {'params M':>9} {'w+g+adam GiB':>12} "
+        f"{'stage':>5} {'layers':>6} {'extra':>14} {'GFLOP/mb':>10} {'params M':>9} {'w+g+adam GiB':>12} "
         f"{'act GiB':>8} {'total GiB':>9}"
     )
     for r, s in enumerate(plan.stages):
         lines.append(
-            f"{r:>5} {s.layers:>6} {s.parts:>10} {s.flops / 1e9:>10.2f} {s.params / 1e6:>9.2f} {s.state_gib:>12.3f} "
+            f"{r:>5} {s.layers:>6} {s.parts:>14} {s.flops / 1e9:>10.2f} {s.params / 1e6:>9.2f} {s.state_gib:>12.3f} "
             f"{s.act_gib:>8.3f} {s.mem_gib:>9.3f}"
         )
     peak = max(s.mem_gib for s in plan.stages)
     lines.append(
-        f"max stage {plan.max_flops / 1e9:.2f} GFLOP/mb, 1F1B step ≈ {plan.step_flops / 1e9:.1f} GFLOP-slots "
+        f"max stage {plan.max_flops / 1e9:.2f} GFLOP/mb, pipeline step ≈ {plan.step_flops / 1e9:.1f} GFLOP-slots "
         f"({plan.step_flops / anchor.step_flops:.3f}x of (a)), peak memory {peak:.3f} GiB"
     )
     return "\n".join(lines)
@@ -214,7 +246,8 @@ def plans(cfg: Config, vocab: int | None = None, dp: int = 1) -> tuple[Plan, Pla
     a.name = "a: configured split, vocabulary on the last stage"
     b = estimate(cfg, best_split(cfg, False, vocab, dp), False, vocab, dp)
     b.name = "b: recommended split, vocabulary on the last stage"
-    c = estimate(cfg, best_split(cfg, True, vocab, dp), True, vocab, dp)
+    c_split = best_split(cfg, True, vocab, dp)
+    c = estimate(cfg, c_split, True, vocab, dp, emb_shares=embedding_shares(cfg, c_split, vocab, dp))
     c.name = "c: loss.vocab_over_pp=true, its best split"
     return a, b, c
 
@@ -247,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_plan(plan, pa))
     print()
     print(f"recommended: parallel.layer_split={pb.split}  (or loss.vocab_over_pp=true parallel.layer_split={pc.split})")
+    if cfg.loss.embedding_over_pp:
+        shares = embedding_shares(cfg, pc.split, a.vocab, a.dp)
+        print(f"with vocab_over_pp the input embedding is split {[round(x, 3) for x in shares]} over the stages "
+              "(loss.embedding_pp_split; null = this planner's memory balance)")  # fmt: skip
     return 0
 
 

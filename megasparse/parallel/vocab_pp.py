@@ -68,6 +68,17 @@ def slice_range(vocab_padded: int) -> tuple[int, int]:
     return (lay.pp_rank * lay.tp + lay.tp_rank) * per, per
 
 
+def stage_rows(vocab_padded: int, shares: list[float], unit: int) -> list[int]:
+    """Rows per pipeline stage for ``shares`` of a vocabulary matrix, whole ``unit``s, summing to vocab_padded."""
+    units = vocab_padded // unit
+    acc, bounds = 0.0, [0]
+    for s in shares:
+        acc += s
+        bounds.append(min(units, int(round(acc * units))))
+    bounds[-1] = units
+    return [(b - a) * unit for a, b in zip(bounds, bounds[1:])]
+
+
 class _Slice:
     """One rank's slice of the output layer and the collectives shared by the last stage and its peers."""
 
@@ -223,13 +234,20 @@ class PPEmbedding(nn.Module):
         vocab_size: int,
         sequence_parallel: bool,
         compute_dtype: torch.dtype,
+        rows_per_stage: list[int] | None = None,
     ):
         super().__init__()
         lay = state.layout()
-        self.start, per = slice_range(vocab_padded)
+        if rows_per_stage is None:
+            self.start, per = slice_range(vocab_padded)
+            stage = vocab_padded // lay.pp
+        else:  # uneven stages (loss.embedding_pp_split): each stage's chunk split evenly over its TP ranks
+            stage = rows_per_stage[lay.pp_rank]
+            per = stage // lay.tp
+            self.start = sum(rows_per_stage[: lay.pp_rank]) + lay.tp_rank * per
         full = padded_vocab_init("embedding", vocab_size, vocab_padded, hidden, init_std, seed, device)
         self.weight = nn.Parameter(full[self.start : self.start + per].contiguous())
-        self.weight.tp_spec = (0, [vocab_padded // lay.pp])
+        self.weight.tp_spec = (0, [stage])
         self.weight.pp_vocab = True
         self.sp = sequence_parallel
         self.dtype = compute_dtype
@@ -252,7 +270,10 @@ class PPEmbedding(nn.Module):
         """[s, b] ids of every micro-batch -> the first stage's inputs [s(/tp), b, h] (None on other stages)."""
         self._ids = torch.stack(ids)
         local, valid = self._local(self._ids)
-        out = self.weight.to(self.dtype)[local] * valid.unsqueeze(-1).to(self.dtype)
+        if self.weight.shape[0]:
+            out = self.weight.to(self.dtype)[local] * valid.unsqueeze(-1).to(self.dtype)
+        else:  # a stage holding no embedding rows still joins the sum
+            out = torch.zeros(*local.shape, self.weight.shape[1], dtype=self.dtype, device=self.weight.device)
         with comm.phase("forward"):
             comm.all_reduce(out, state.mp_group(), "mp", region="embedding.vocab_pp")
         if not state.layout().is_first_stage:
@@ -274,7 +295,8 @@ class PPEmbedding(nn.Module):
             comm.all_reduce(g, state.mp_group(), "mp", region="embedding.vocab_pp")
         local, valid = self._local(self._ids)
         dw = torch.zeros(self.weight.shape, dtype=torch.float32, device=g.device)
-        dw.index_add_(0, local.reshape(-1), g.reshape(-1, g.shape[-1]).float() * valid.reshape(-1, 1))
+        if self.weight.shape[0]:
+            dw.index_add_(0, local.reshape(-1), g.reshape(-1, g.shape[-1]).float() * valid.reshape(-1, 1))
         dw = dw.to(self.weight.dtype)
         self.weight.grad = dw if self.weight.grad is None else self.weight.grad + dw
         self._ids = None
