@@ -24,7 +24,7 @@ from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_me
 from megasparse.model.gpt import GPTStage
 from megasparse.ops.compact import KeepMeta
 from megasparse.parallel import comm, state, vocab_pp
-from megasparse.parallel.pipeline import P2PSpec, StageComm, lockstep, one_f_one_b
+from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, lockstep, one_f_one_b
 from megasparse.parallel.vocab_ce import KeepHolder
 
 
@@ -140,8 +140,6 @@ class Trainer:
         kept = (lambda: self.kept_rows) if self.collider else None
         spec = P2PSpec(self.act_shape, self.compute_dtype, self.device, kept, cfg.train.micro_batch_size)
         self.vocab_peer = None  # loss.vocab_over_pp on a non-last stage: its slice of every micro-batch's loss
-        if self.model.vocab_pp:
-            vocab_pp.check_supported(f.mode)
         if self.model.vocab_pp and not self.lay.is_last_stage:
             self.vocab_peer = vocab_pp.VocabPPPeer(
                 self.model.output_weight,
@@ -150,6 +148,7 @@ class Trainer:
                 vocab_size=self.vocab,
                 rows=m.seq_length * cfg.train.micro_batch_size,
                 compute_dtype=self.compute_dtype,
+                kept_rows=self.kept_rows if self.collider else None,
             )
         self.p2p = StageComm(spec)
         self.step = 0
@@ -281,8 +280,11 @@ class Trainer:
 
         emb_pp = self.model.embedding if self.model.embedding_pp else None
         inputs = None  # embedding_over_pp: the first stage's inputs of every micro-batch, looked up at once
+        caught: list[dict] = [{} for _ in batches]  # the first stage's input gradients under embedding_over_pp
         if emb_pp is not None:
             inputs = emb_pp.lookup_all([tok[:, :-1].t() for tok in batches], requires_grad=train)
+            if inputs is not None and train:
+                inputs = [catch_grad(x, c) for x, c in zip(inputs, caught)]
 
         def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
             tok = batches[i]
@@ -311,7 +313,7 @@ class Trainer:
             slot = None if peer is None else lambda k: peer.step(batches[k][:, 1:].t().reshape(-1), train=True)
             lockstep(len(batches), self.p2p, forward_step, backward_step, slot)
             if emb_pp is not None:
-                emb_pp.backward_all(inputs)
+                emb_pp.backward_all(None if inputs is None else [c.get("grad") for c in caught])
         elif train:
             one_f_one_b(len(batches), self.p2p, forward_step, backward_step)
         else:

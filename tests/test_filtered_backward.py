@@ -116,6 +116,13 @@ LAYOUTS = {
     "pp2": (2, ["parallel.pp=2"], "microbatch"),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], "microbatch"),
     "dp2": (2, [], "microbatch"),
+    # vocabulary layers over the pipeline (lock-step schedule, kept-row slot, compact P2P in the exchange)
+    "pp2_vocab_pp": (2, ["parallel.pp=2", "loss.vocab_over_pp=true"], "microbatch"),
+    "tp2_sp_pp2_vocab_pp": (
+        4,
+        ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "loss.vocab_over_pp=true"],
+        "microbatch",
+    ),
     "tp2_sp_cce": (
         2,
         ["parallel.tp=2", "parallel.sequence_parallel=true", "loss.impl=cce", "loss.filter_eps=null"],

@@ -131,13 +131,3 @@ def test_bad_embedding_split_is_one_line():
     with pytest.raises(ConfigError, match="loss.embedding_pp_split") as e:
         cfg.validate(2)
     assert "\n" not in str(e.value)
-
-
-def test_collider_is_refused_with_one_line():
-    from megasparse.configbase import ConfigError
-    from megasparse.parallel.vocab_pp import check_supported
-
-    check_supported("loss_mask")
-    with pytest.raises(ConfigError, match="filter.mode=collider") as e:
-        check_supported("collider")
-    assert "\n" not in str(e.value)

@@ -175,6 +175,7 @@ class GPTStage(nn.Module):
                 vocab_start=self.vocab_start,
                 vocab_size=self.vocab_size,
                 sequence_parallel=self.sp,
+                keep=keep,
             )
         if self.loss_cfg.impl == "cce":
             return vocab_parallel_loss(

@@ -121,11 +121,17 @@ class StageComm:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One lock-step boundary: send last period's output ``y`` / input gradient ``g``, receive this period's.
 
-        Forward transfers first, then backward ones, each one batch posted by every stage at the same boundary.
-        Dense gradients only (the lock-step schedule runs with loss.vocab_over_pp, which refuses collider)."""
+        Forward transfers first, then backward ones, each one batch posted by every stage at the same boundary;
+        compact gradients go as indices then rows, like 1F1B's."""
         x = self._swap(y, self.next, want_x, self.prev)
         with comm.phase("backward"):
-            gin = self._swap(g, self.prev, want_g, self.next)
+            ops = self._grad_ops(g) if g is not None and self.prev is not None else []
+            buf = None
+            if want_g and self.next is not None:
+                recv, buf = self._recv_grad_phase1()
+                ops += recv
+            comm.p2p(ops, self.group)
+            gin = self._recv_grad_phase2(buf) if buf is not None else None
         return x, gin
 
     def _swap(self, t: torch.Tensor | None, to: int | None, want: bool, frm: int | None) -> torch.Tensor | None:
@@ -143,6 +149,11 @@ class StageComm:
         t = self._act()
         comm.p2p(self._grad_ops(g) + [("recv", t, self.prev)], self.group)
         return t
+
+
+def catch_grad(x: torch.Tensor, holder: dict) -> torch.Tensor:
+    """Identity whose backward leaves the incoming gradient (dense or compact) in ``holder["grad"]``."""
+    return _Catch.apply(x, holder)
 
 
 def one_f_one_b(

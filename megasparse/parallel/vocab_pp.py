@@ -35,10 +35,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from megasparse.configbase import ConfigError
 from megasparse.loss import shard_backward, shard_forward
 from megasparse.loss.config import LossConfig
-from megasparse.parallel import comm, state
+from megasparse.ops.compact import CompactGrad
+from megasparse.parallel import comm, rows, state
 from megasparse.parallel.layers import padded_vocab_init
 
 REGION = "loss.vocab_pp"
@@ -50,15 +50,6 @@ FLOPS: dict[str, int] = {"forward": 0, "backward": 0}
 
 def reset_flops() -> None:
     FLOPS["forward"] = FLOPS["backward"] = 0
-
-
-def check_supported(filter_mode: str) -> None:
-    """Raise the one-line config error for combinations the PP-vocabulary loss does not handle."""
-    if filter_mode == "collider":
-        raise ConfigError(
-            "loss.vocab_over_pp=true does not support filter.mode=collider yet (its backward is dense); "
-            "use filter.mode=loss_mask or off, or loss.vocab_over_pp=false"
-        )
 
 
 def slice_range(vocab_padded: int) -> tuple[int, int]:
@@ -123,9 +114,14 @@ def _broadcast_from_last(t: Tensor) -> None:
     comm.broadcast(t, state.pp_last_rank(), state.pp_group(), "pp", region=REGION)
 
 
+def _kept_backward(sl: _Slice, h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, idx: Tensor, g: Tensor):
+    """Collider: every slice's backward on the kept rows only; the dE all-reduce carries [k, h]."""
+    return sl.backward(h.index_select(0, idx), w, targets.index_select(0, idx), lse.index_select(0, idx), g)
+
+
 class _LastStageLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, sl: _Slice, sp: bool, ignore_index: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, sl: _Slice, sp: bool, ignore_index: int, keep):
         h_shape = hidden.shape
         h = hidden.reshape(-1, h_shape[-1]).to(sl.dtype)
         if sp:
@@ -140,20 +136,32 @@ class _LastStageLoss(torch.autograd.Function):
         valid = targets != ignore_index
         loss = torch.where(valid, loss, torch.zeros_like(loss))
         ctx.save_for_backward(h, weight, targets, lse, valid)
-        ctx.sl, ctx.sp, ctx.h_shape = sl, sp, h_shape
+        ctx.sl, ctx.sp, ctx.h_shape, ctx.keep = sl, sp, h_shape, keep
         return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         h, weight, targets, lse, valid = ctx.saved_tensors
         g = torch.where(valid, grad.float(), torch.zeros_like(lse)).contiguous()
+        meta = getattr(ctx.keep, "meta", None)
+        lay = state.layout()
         with comm.phase("backward"):
+            if meta is not None:  # collider: kept rows only, their indices travel with the gradient
+                idx = meta.idx.contiguous()
+                _broadcast_from_last(idx)
+                g = g.index_select(0, idx)
+                _broadcast_from_last(g)
+                d_rows, d_c = _kept_backward(ctx.sl, h, weight, targets, lse, idx, g)
+                if ctx.sp:
+                    local, counts = rows.sp_split(meta, lay.tp, lay.tp_rank)
+                    start = sum(counts[: lay.tp_rank])
+                    d_rows, meta = d_rows[start : start + counts[lay.tp_rank]], local
+                return CompactGrad(d_rows, meta, ctx.h_shape), d_c, None, None, None, None, None
             _broadcast_from_last(g)
             d_e, d_c = ctx.sl.backward(h, weight, targets, lse, g)
         if ctx.sp:
-            lay = state.layout()
             d_e = d_e.chunk(lay.tp)[lay.tp_rank]
-        return d_e.reshape(ctx.h_shape), d_c, None, None, None, None
+        return d_e.reshape(ctx.h_shape), d_c, None, None, None, None, None
 
 
 def vocab_pp_loss(
@@ -166,14 +174,16 @@ def vocab_pp_loss(
     vocab_size: int,
     sequence_parallel: bool = False,
     ignore_index: int = -100,
+    keep=None,
 ) -> Tensor:
     """Last stage: per-token loss [n] fp32 with the vocabulary spread over every (pp, tp) rank.
 
     ``hidden`` is [s(/tp), b, h] (sequence shard under SP); ``weight`` is this rank's slice in the
     compute dtype. Every other pipeline rank must run ``VocabPPPeer.step`` for the same micro-batch.
+    ``keep``: a KeepHolder whose ``meta`` selection fills before backward (collider: compact backward).
     """
     sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], weight.dtype)
-    return _LastStageLoss.apply(hidden, weight, targets, sl, sequence_parallel, ignore_index)
+    return _LastStageLoss.apply(hidden, weight, targets, sl, sequence_parallel, ignore_index, keep)
 
 
 class VocabPPPeer:
@@ -189,9 +199,12 @@ class VocabPPPeer:
         rows: int,
         compute_dtype: torch.dtype,
         ignore_index: int = -100,
+        kept_rows: int | None = None,
     ):
+        """``kept_rows``: the static kept count per micro-batch under collider (None: dense backward)."""
         self.weight = weight
         self.rows = rows
+        self.kept_rows = kept_rows
         self.ignore_index = ignore_index
         self.sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], compute_dtype)
 
@@ -205,10 +218,17 @@ class VocabPPPeer:
             lse, _ = self.sl.forward(h, w, targets)
         if not train:
             return
-        g = torch.empty_like(lse)
         with comm.phase("backward"):
-            _broadcast_from_last(g)
-            _, d_c = self.sl.backward(h, w, targets, lse, g)
+            if self.kept_rows is not None:
+                idx = torch.empty(self.kept_rows, dtype=torch.long, device=w.device)
+                _broadcast_from_last(idx)
+                g = torch.empty(self.kept_rows, dtype=lse.dtype, device=w.device)
+                _broadcast_from_last(g)
+                _, d_c = _kept_backward(self.sl, h, w, targets, lse, idx, g)
+            else:
+                g = torch.empty_like(lse)
+                _broadcast_from_last(g)
+                _, d_c = self.sl.backward(h, w, targets, lse, g)
         d_c = d_c.to(self.weight.dtype)
         if self.weight.grad is None:
             self.weight.grad = d_c
@@ -281,16 +301,24 @@ class PPEmbedding(nn.Module):
         return [x.contiguous().requires_grad_(requires_grad) for x in self._shard(out).unbind(0)]
 
     @torch.no_grad()
-    def backward_all(self, inputs: list[Tensor] | None) -> None:
-        """Add this slice's gradient from the first stage's input gradients of the whole step."""
+    def backward_all(self, grads: list[Tensor | None] | None) -> None:
+        """Add this slice's gradient from the first stage's input gradients of the whole step.
+
+        ``grads``: per micro-batch, the gradient that reached the first stage's input (dense, compact, or None),
+        on the first stage; None elsewhere."""
         lay = state.layout()
         assert self._ids is not None, "backward_all without lookup_all"
         m, s, b = self._ids.shape
-        g = torch.zeros(m, s, b, self.weight.shape[1], dtype=self.dtype, device=self.weight.device)
+        h = self.weight.shape[1]
+        g = torch.zeros(m, s, b, h, dtype=self.dtype, device=self.weight.device)
         # each row of g has exactly one contributor, so the sum is exact in any dtype
-        if inputs is not None and (self.sp or lay.tp_rank == 0):
-            grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
-            self._shard(g).copy_(torch.stack(grads))
+        if grads is not None and (self.sp or lay.tp_rank == 0):
+            mine = self._shard(g)
+            for i, gi in enumerate(grads):
+                if isinstance(gi, CompactGrad):  # kept rows only: scatter them, no dense gradient built
+                    mine[i].view(-1, h).index_copy_(0, gi.meta.idx, gi.rows.to(self.dtype))
+                elif gi is not None:
+                    mine[i].copy_(gi)
         with comm.phase("backward"):
             comm.all_reduce(g, state.mp_group(), "mp", region="embedding.vocab_pp")
         local, valid = self._local(self._ids)
