@@ -32,6 +32,7 @@ def grads_of(overrides: list[str]) -> dict:
         "densified": densify_count() - before,
         "kept_rows": tr.kept_rows,
         "num_mb": tr.num_mb * tr.dp,
+        "mb": cfg.train.micro_batch_size,
     }
 
 
@@ -44,7 +45,7 @@ def reference_grads(res: dict, mode: str, keep_ratio: float, granularity: str = 
     cfg = load_config(None, BASE)
     params = {k: v.clone().requires_grad_() for k, v in res["weights"].items()}
     data = SyntheticData(250, cfg.model.seq_length, cfg.data.seed)
-    mb = cfg.train.micro_batch_size
+    mb = res.get("mb", cfg.train.micro_batch_size)
     total = 0.0
     for j in range(res["num_mb"]):
         tok = torch.stack([data.global_sample(j * mb + i) for i in range(mb)])
@@ -84,6 +85,13 @@ def test_sequence_granularity_batched_attention_matches_reference():
     res = run_distributed(grads_of, 1, ov)[0]
     assert_close(res["grads"], reference_grads(res, "collider", 0.5, "sequence"))
     assert res["densified"] == 0
+
+
+def test_one_sequence_per_micro_batch_matches_reference():
+    """Micro-batch 1 takes the sync-free single-sequence path of the compact attention backward."""
+    ov = ["filter.mode=collider", "filter.keep_ratio=0.5", "train.micro_batch_size=1"]
+    res = run_distributed(grads_of, 1, ov)[0]
+    assert_close(res["grads"], reference_grads(res, "collider", 0.5))
 
 
 def test_keep_ratio_one_is_dense():

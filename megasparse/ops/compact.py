@@ -34,6 +34,9 @@ class KeepMeta:
 
     def per_sequence(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """[(seq, positions, which-compact-rows)] — computed once per micro-batch, reused by every layer."""
+        if "per_seq" not in self._cache and self.batch == 1:  # one sequence: no host sync needed
+            rows = torch.arange(self.idx.numel(), device=self.idx.device)
+            self._cache["per_seq"] = [(0, self.idx, rows)]
         if "per_seq" not in self._cache:
             out = []
             seq = self.idx % self.batch
