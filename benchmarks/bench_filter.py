@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 from megasparse.config import load_config
-from megasparse.ops.compact import KeepMeta
+from megasparse.ops.compact import KeepHolder, KeepMeta
 from megasparse.parallel import comm, state
-from megasparse.parallel.vocab_ce import KeepHolder
 from megasparse.train import Trainer
 
 

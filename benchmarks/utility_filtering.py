@@ -391,7 +391,7 @@ def grad_check(a: argparse.Namespace) -> list[dict]:
     import torch
 
     from megasparse.config import load_config
-    from megasparse.parallel.vocab_ce import KeepHolder
+    from megasparse.ops.compact import KeepHolder
     from megasparse.train import Trainer
 
     torch.set_num_threads(1)

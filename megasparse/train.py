@@ -22,10 +22,9 @@ from megasparse import checkpoint as ckpt
 from megasparse.config import Config, ConfigError, dump_config, load_config
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_mem_gib, peak_tflops
 from megasparse.model.gpt import GPTStage
-from megasparse.ops.compact import KeepMeta
+from megasparse.ops.compact import KeepHolder, KeepMeta
 from megasparse.parallel import comm, state, vocab_pp
 from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, lockstep, one_f_one_b
-from megasparse.parallel.vocab_ce import KeepHolder
 
 
 def log0(msg: str) -> None:

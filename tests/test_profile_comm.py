@@ -251,10 +251,10 @@ def test_dense_tp2_dp2_volumes_follow_the_config(tmp_path):
                 hits = [r for r in phase_recs if r["region"] == region]
                 assert len(hits) == calls, (rank, region, len(hits))
                 assert all(r["kind"] == "all_reduce" and r["numel"] == sbh for r in hits), (rank, region)
-        # what is not hidden-sized in forward is the loss's per-token statistics (max, sum-exp, target logit)
+        # what is not hidden-sized in forward is the loss's per-token statistics: one all-gather of (lse, target)
         stats = [r for r in tp_fwd if r["region"] not in hidden_fwd]
-        assert {r["region"] for r in stats} == {"loss.max", "loss.sumexp", "loss.target"}
-        assert all(r["numel"] == sb for r in stats)
+        assert {r["region"] for r in stats} == {"loss.stats"} and len(stats) == calls
+        assert all(r["kind"] == "all_gather" and r["numel"] == 2 * sb for r in stats)
         assert {r["region"] for r in tp_bwd} == set(hidden_bwd)
         fwd_bytes = sum(r["bytes"] for r in tp_fwd) - sum(r["bytes"] for r in stats)
         assert fwd_bytes == sum(r["bytes"] for r in tp_bwd) > 0

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megasparse.ops.compact import KeepMeta
-from megasparse.parallel.vocab_ce import KeepHolder
+from megasparse.ops.compact import KeepHolder, KeepMeta
 
 __all__ = ["KeepHolder", "backward_filter"]
 

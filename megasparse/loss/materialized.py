@@ -1,7 +1,11 @@
-"""Materialised baseline: logits = h @ W_shardᵀ, then megatron-style vocab-parallel cross-entropy.
+"""Materialised vocabulary-parallel cross-entropy: the megatron-style baseline (``loss.impl: torch``).
 
-Kept as the anchor CCE is measured against and as the ``impl=torch`` path. Collectives go through
-``megasparse.parallel.vocab`` (comm wrappers), unlike megatron-core's own ``vocab_parallel_cross_entropy``.
+Logits of this rank's vocabulary shard are formed whole ([rows, V_local] in fp32, the memory CCE avoids), each
+shard's log-sum-exp and target logit are merged over TP like the CCE path (one all-gather of [2, n], see
+``parallel/vocab.py``), and the backward recomputes the logits of the rows that get a gradient. Serves both the
+trainer (a ``KeepHolder`` filled by selection after the forward; compact dE out) and direct callers (``keep_idx``
+known up front; dense dE out). Softcap, z-loss, ignore_index and vocabulary padding behave as in ``cce.py``.
+No host synchronisation in the backward.
 """
 
 from __future__ import annotations
@@ -9,35 +13,71 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megasparse.parallel import vocab
+from megasparse.loss.cce import CCEOptions
+from megasparse.parallel import comm, vocab
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token lse − target logit + z·lse² from [n, V_local] logits; rows outside ``grad_rows`` get no gradient."""
+def _logits(x: Tensor, w: Tensor, opt: CCEOptions) -> tuple[Tensor, Tensor | None]:
+    """fp32 logits [rows, V_local] (padding at -inf) and, with softcap, tanh(raw / softcap) for the backward."""
+    logits = (x @ w.t()).float()
+    t = None
+    if opt.softcap is not None:
+        t = torch.tanh(logits / opt.softcap)
+        logits = opt.softcap * t
+    if opt.n_valid < logits.shape[1]:
+        logits[:, opt.n_valid :] = float("-inf")
+    return logits, t
 
+
+def _local_targets(targets: Tensor, opt: CCEOptions) -> tuple[Tensor, Tensor]:
+    t = targets - opt.vocab_start
+    inside = (t >= 0) & (t < opt.n_valid)
+    return torch.where(inside, t, torch.zeros_like(t)), inside
+
+
+class MaterializedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, tgt: Tensor, n_valid: int, z_loss: float, grad_mask: Tensor, group) -> Tensor:
-        x = logits.float()
-        if n_valid < x.shape[1]:
-            x = x.clone()
-            x[:, n_valid:] = float("-inf")
-        lse_l = torch.logsumexp(x, dim=1) if n_valid else torch.full_like(x[:, 0], float("-inf"))
-        has_t = tgt >= 0
-        t_l = torch.where(has_t, x.gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1), torch.zeros_like(lse_l))
-        lse, t = vocab.merge_shard_stats(lse_l, t_l, group)
-        ctx.save_for_backward(x, tgt, lse, grad_mask)
-        ctx.z_loss, ctx.dtype = z_loss, logits.dtype
-        return lse - t + z_loss * lse * lse
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, keep, group, opt: CCEOptions):
+        total = vocab.gather_rows(hidden, group, opt.sequence_parallel)
+        x = total.reshape(-1, total.shape[-1])
+        logits, _ = _logits(x, weight, opt)
+        lse_l = torch.logsumexp(logits, dim=1)
+        t, inside = _local_targets(targets, opt)
+        picked = logits.gather(1, t[:, None]).squeeze(1)
+        tl = torch.where(inside, picked, torch.zeros_like(picked))
+        lse, tl = vocab.merge_shard_stats(lse_l, tl, group)
+        loss = lse - tl + opt.z_loss * lse * lse if opt.z_loss else lse - tl
+        loss = torch.where(targets != opt.ignore_index, loss, torch.zeros_like(loss))
+        keep_idx = keep if isinstance(keep, Tensor) else None
+        ctx.save_for_backward(x, weight, targets, lse, keep_idx)
+        ctx.keep, ctx.group, ctx.opt, ctx.h_shape, ctx.n = keep, group, opt, hidden.shape, x.shape[0]
+        return loss
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, tgt, lse, grad_mask = ctx.saved_tensors
-        g = torch.where(grad_mask, grad.float(), torch.zeros_like(grad, dtype=torch.float32))
-        d = torch.exp(x - lse.unsqueeze(1)) * (g * (1 + 2 * ctx.z_loss * lse)).unsqueeze(1)
-        has_t = tgt >= 0
-        rows = has_t.nonzero().squeeze(1)
-        d[rows, tgt[rows]] -= g[rows]
-        return d.to(ctx.dtype), None, None, None, None, None
+        x, w, targets, lse, keep_idx = ctx.saved_tensors
+        opt: CCEOptions = ctx.opt
+        meta = getattr(ctx.keep, "meta", None)
+        rows = meta.idx if meta is not None else keep_idx
+        g = grad.float()
+        if rows is not None:
+            x, targets, lse, g = x.index_select(0, rows), targets[rows], lse[rows], g[rows]
+        g = torch.where(targets != opt.ignore_index, g, torch.zeros_like(g))
+        logits, tanh = _logits(x, w, opt)
+        gs = g * (1 + 2 * opt.z_loss * lse) if opt.z_loss else g
+        d = torch.exp(logits - lse[:, None]) * gs[:, None]
+        t, inside = _local_targets(targets, opt)
+        d.scatter_add_(1, t[:, None], -(g * inside)[:, None])  # softmax − one-hot, no boolean indexing
+        if tanh is not None:
+            d *= 1 - tanh * tanh
+        d = d.to(w.dtype)
+        dx, dw = d @ w, d.t() @ x
+        sp = opt.sequence_parallel
+        if meta is not None:  # the trainer's Collider path: kept rows travel, a compact gradient goes back
+            return vocab.compact_kept_grad(dx, rows, meta, ctx.group, sp, ctx.h_shape), dw, None, None, None, None
+        with comm.phase("backward"):
+            dh = vocab.reduce_kept_grad(dx, rows, ctx.n, ctx.group, sp)
+        return dh.view(ctx.h_shape), dw, None, None, None, None
 
 
 def materialized_loss(
@@ -51,21 +91,12 @@ def materialized_loss(
     z_loss: float,
     group,
     sequence_parallel: bool,
-    keep_idx: Tensor | None,
+    keep_idx,
     ignore_index: int,
 ) -> Tensor:
-    """The ``impl=torch`` path: dense [n, V_local] logits, gradient masked to kept, non-ignored rows."""
-    h = vocab.GatherRows.apply(hidden, group, sequence_parallel)
-    logits = h @ weight.T
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits.float() / softcap)
-    valid = targets != ignore_index
-    t = targets - vocab_start
-    t = torch.where(valid & (t >= 0) & (t < n_valid), t, torch.full_like(t, -1))
-    grad_mask = valid.clone()
-    if keep_idx is not None:
-        kept = torch.zeros_like(valid)
-        kept[keep_idx] = True
-        grad_mask &= kept
-    loss = VocabParallelCrossEntropy.apply(logits, t, n_valid, z_loss, grad_mask, group)
-    return torch.where(valid, loss, torch.zeros_like(loss))
+    """Per-token loss [n] fp32; ``keep_idx`` is an index tensor, a KeepHolder filled before backward, or None."""
+    opt = CCEOptions(
+        n_valid=n_valid, vocab_start=vocab_start, softcap=softcap, z_loss=z_loss, ignore_index=ignore_index,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+    return MaterializedCE.apply(hidden, weight, targets, keep_idx, group, opt)

@@ -17,6 +17,7 @@ from megasparse.loss import vocab_parallel_loss
 from megasparse.loss.config import LossConfig
 from megasparse.model.config import ModelConfig
 from megasparse.ops.attention import attention, rope_tables
+from megasparse.ops.compact import KeepHolder
 from megasparse.ops.rowwise import rms_norm, swiglu
 from megasparse.parallel import state
 from megasparse.parallel.layers import (
@@ -25,7 +26,6 @@ from megasparse.parallel.layers import (
     VocabParallelEmbedding,
     padded_vocab_init,
 )
-from megasparse.parallel.vocab_ce import KeepHolder, vocab_parallel_ce
 from megasparse.parallel.vocab_pp import PPEmbedding, slice_range, vocab_pp_loss
 
 
@@ -177,27 +177,16 @@ class GPTStage(nn.Module):
                 sequence_parallel=self.sp,
                 keep=keep,
             )
-        if self.loss_cfg.impl == "cce":
-            return vocab_parallel_loss(
-                x,
-                self.output_weight.to(self.compute_dtype),
-                targets,
-                self.loss_cfg,
-                vocab_start=self.vocab_start,
-                vocab_size=self.vocab_size,
-                tp_group=state.tp_group(),
-                sequence_parallel=self.sp,
-                keep_idx=keep,
-            )
-        return vocab_parallel_ce(
+        return vocab_parallel_loss(
             x,
-            self.output_weight,
+            self.output_weight.to(self.compute_dtype),
             targets,
+            self.loss_cfg,
             vocab_start=self.vocab_start,
             vocab_size=self.vocab_size,
+            tp_group=state.tp_group(),
             sequence_parallel=self.sp,
-            compute_dtype=self.compute_dtype,
-            keep=keep,
+            keep_idx=keep,
         )
 
     def param_is_sharded(self, name: str) -> bool:

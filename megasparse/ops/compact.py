@@ -73,6 +73,15 @@ class KeepMeta:
         return self._cache[key]
 
 
+class KeepHolder:
+    """Kept rows of one micro-batch, filled by selection between the loss forward and the backward.
+
+    The loss needs every token's value before selection, so the model's loss layers take this holder at
+    forward time and read ``meta`` in backward (None: dense backward)."""
+
+    meta: KeepMeta | None = None
+
+
 class CompactGrad(torch.Tensor):
     """A gradient of full shape whose only non-zero rows are ``rows`` at ``meta.idx``."""
 

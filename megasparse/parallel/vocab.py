@@ -19,7 +19,10 @@ from torch import Tensor
 from megasparse.parallel import comm
 
 GROUP = "tp"
-REGION = "loss"
+REGION = "loss.dgrad"
+"""Region of the hidden-state gradient's collective (what the profiler groups by); the forward ones below."""
+REGION_GATHER = "loss.sp_gather"
+REGION_STATS = "loss.stats"
 
 
 def tp_size(group) -> int:
@@ -43,14 +46,14 @@ def gather_rows(h: Tensor, group, sequence_parallel: bool) -> Tensor:
     """Rows of the whole TP region: all-gather of the sequence shards under SP, else ``h`` itself."""
     if not sequence_parallel:
         return h
-    return comm.all_gather(h, group, GROUP, dim=0, region=REGION)
+    return comm.all_gather(h, group, GROUP, dim=0, region=REGION_GATHER)
 
 
 def merge_shard_stats(lse: Tensor, tgt: Tensor, group) -> tuple[Tensor, Tensor]:
     """Global (lse, target logit) per token from every shard's pieces; O(tp·n) bytes, one collective."""
     if tp_size(group) == 1:
         return lse, tgt
-    parts = comm.all_gather(torch.stack([lse.float(), tgt.float()]), group, GROUP, dim=0, region=REGION)
+    parts = comm.all_gather(torch.stack([lse.float(), tgt.float()]), group, GROUP, dim=0, region=REGION_STATS)
     parts = parts.view(tp_size(group), 2, -1)
     return torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(0)
 
