@@ -131,16 +131,33 @@ class RowParallelLinearFn(torch.autograd.Function):
         return dx, dw.to(wdtype), None, None, None, None
 
 
+def vocab_slice_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, dtype) -> tuple[torch.Tensor, ...]:
+    """Rows of ``ids`` from the vocabulary slice [start, start + rows) (zeros for ids elsewhere, so summing every
+    slice's lookup gives the embedding); also (local index, in-slice mask) for ``vocab_slice_grad``."""
+    local = ids - start
+    valid = (local >= 0) & (local < weight.shape[0])
+    local = torch.where(valid, local, torch.zeros_like(local))
+    if weight.shape[0] == 0:  # a slice with no rows still contributes its zeros to the sum
+        return ids.new_zeros(*ids.shape, weight.shape[1], dtype=dtype), local, valid
+    return weight.to(dtype)[local] * valid.unsqueeze(-1).to(dtype), local, valid
+
+
+def vocab_slice_grad(shape, local: torch.Tensor, valid: torch.Tensor, g2d: torch.Tensor) -> torch.Tensor:
+    """fp32 weight gradient of a vocabulary slice: rows of ``g2d`` scatter-added at ``local`` where ``valid``
+    (masked, not boolean-indexed: no host sync)."""
+    dw = torch.zeros(shape, dtype=torch.float32, device=g2d.device)
+    if shape[0]:
+        dw.index_add_(0, local.reshape(-1), g2d.float() * valid.reshape(-1, 1))
+    return dw
+
+
 class VocabEmbeddingFn(torch.autograd.Function):
     """Lookup of this rank's vocabulary slice, then the TP reduction (reduce-scatter under SP)."""
 
     @staticmethod
     def forward(ctx, ids, weight, vocab_start: int, sp: bool, dtype):
         group = state.tp_group()
-        local = ids - vocab_start
-        valid = (local >= 0) & (local < weight.shape[0])
-        local = torch.where(valid, local, torch.zeros_like(local))
-        out = weight.to(dtype)[local] * valid.unsqueeze(-1).to(dtype)
+        out, local, valid = vocab_slice_lookup(ids, weight, vocab_start, dtype)
         if sp:
             out = comm.reduce_scatter(out, group, "tp", region="embedding.sp_scatter")
         else:
@@ -155,19 +172,16 @@ class VocabEmbeddingFn(torch.autograd.Function):
         sp, wshape, wdtype = ctx.cfg
         lay = state.layout()
         group = state.tp_group()
-        dw = torch.zeros(wshape, dtype=torch.float32, device=local.device)
         if isinstance(g, CompactGrad):
             gr, meta = g.rows, g.meta
             if sp:
                 gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, "embedding.sp_gather")
-            ids = local.reshape(-1).index_select(0, meta.idx)
-            ok = valid.reshape(-1).index_select(0, meta.idx)
-            dw.index_add_(0, ids, gr.float() * ok.unsqueeze(1))  # masked, not boolean-indexed: no host sync
+            ids, ok = local.reshape(-1).index_select(0, meta.idx), valid.reshape(-1).index_select(0, meta.idx)
+            dw = vocab_slice_grad(wshape, ids, ok, gr)
         else:
             if sp:
                 g = comm.all_gather(g, group, "tp", dim=0, region="embedding.sp_gather")
-            ok = valid.reshape(-1)
-            dw.index_add_(0, local.reshape(-1), _flat(g).float() * ok.unsqueeze(1))
+            dw = vocab_slice_grad(wshape, local, valid, _flat(g))
         return None, dw.to(wdtype), None, None, None
 
 

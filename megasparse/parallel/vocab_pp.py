@@ -22,8 +22,8 @@ step instead of per micro-batch, because a lookup depends on nothing but the tok
 rank has. At the start of a step every rank looks up its slice for all micro-batches and ONE
 all-reduce over the model-parallel group assembles the first stage's inputs; after the pipeline
 drains the first stage's input gradients of all micro-batches go back the same way (one all-reduce)
-and every rank scatter-adds its slice's rows. Both sit outside the 1F1B loop, so the pipeline
-schedule is untouched; the price is a [micro-batches, s, b, h] buffer and two collectives per step
+and every rank scatter-adds its slice's rows. Both sit outside the pipeline schedule, which
+therefore needs no extra rendezvous; the price is a [micro-batches, s, b, h] buffer and two collectives per step
 on the critical path (docs/decisions/0801-embedding-over-pp.md).
 
 The slice maths is ``megasparse.loss.shard_forward`` / ``shard_backward``: Triton CCE on CUDA with
@@ -39,7 +39,7 @@ from megasparse.loss import shard_backward, shard_forward
 from megasparse.loss.config import LossConfig
 from megasparse.ops.compact import CompactGrad
 from megasparse.parallel import comm, rows, state
-from megasparse.parallel.layers import padded_vocab_init
+from megasparse.parallel.layers import padded_vocab_init, vocab_slice_grad, vocab_slice_lookup
 
 REGION = "loss.vocab_pp"
 
@@ -258,25 +258,18 @@ class PPEmbedding(nn.Module):
     ):
         super().__init__()
         lay = state.layout()
-        if rows_per_stage is None:
-            self.start, per = slice_range(vocab_padded)
-            stage = vocab_padded // lay.pp
-        else:  # uneven stages (loss.embedding_pp_split): each stage's chunk split evenly over its TP ranks
-            stage = rows_per_stage[lay.pp_rank]
-            per = stage // lay.tp
-            self.start = sum(rows_per_stage[: lay.pp_rank]) + lay.tp_rank * per
+        # stage r holds rows_per_stage[r] consecutive rows (even by default), split evenly over its TP ranks
+        rows_per_stage = rows_per_stage or [vocab_padded // lay.pp] * lay.pp
+        stage = rows_per_stage[lay.pp_rank]
+        per = stage // lay.tp
+        self.start = sum(rows_per_stage[: lay.pp_rank]) + lay.tp_rank * per
         full = padded_vocab_init("embedding", vocab_size, vocab_padded, hidden, init_std, seed, device)
         self.weight = nn.Parameter(full[self.start : self.start + per].contiguous())
         self.weight.tp_spec = (0, [stage])
         self.weight.pp_vocab = True
         self.sp = sequence_parallel
         self.dtype = compute_dtype
-        self._ids: Tensor | None = None
-
-    def _local(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        local = ids - self.start
-        valid = (local >= 0) & (local < self.weight.shape[0])
-        return torch.where(valid, local, torch.zeros_like(local)), valid
+        self._local: list[Tensor] | None = None  # (local index, in-slice mask) of the step's ids
 
     def _shard(self, t: Tensor) -> Tensor:
         """[M, s, b, h] -> this TP rank's sequence shard under SP (the first stage's input layout)."""
@@ -288,12 +281,7 @@ class PPEmbedding(nn.Module):
     @torch.no_grad()
     def lookup_all(self, ids: list[Tensor], requires_grad: bool) -> list[Tensor] | None:
         """[s, b] ids of every micro-batch -> the first stage's inputs [s(/tp), b, h] (None on other stages)."""
-        self._ids = torch.stack(ids)
-        local, valid = self._local(self._ids)
-        if self.weight.shape[0]:
-            out = self.weight.to(self.dtype)[local] * valid.unsqueeze(-1).to(self.dtype)
-        else:  # a stage holding no embedding rows still joins the sum
-            out = torch.zeros(*local.shape, self.weight.shape[1], dtype=self.dtype, device=self.weight.device)
+        out, *self._local = vocab_slice_lookup(torch.stack(ids), self.weight, self.start, self.dtype)
         with comm.phase("forward"):
             comm.all_reduce(out, state.mp_group(), "mp", region="embedding.vocab_pp")
         if not state.layout().is_first_stage:
@@ -307,8 +295,9 @@ class PPEmbedding(nn.Module):
         ``grads``: per micro-batch, the gradient that reached the first stage's input (dense, compact, or None),
         on the first stage; None elsewhere."""
         lay = state.layout()
-        assert self._ids is not None, "backward_all without lookup_all"
-        m, s, b = self._ids.shape
+        assert self._local is not None, "backward_all without lookup_all"
+        local, valid = self._local
+        m, s, b = local.shape
         h = self.weight.shape[1]
         g = torch.zeros(m, s, b, h, dtype=self.dtype, device=self.weight.device)
         # each row of g has exactly one contributor, so the sum is exact in any dtype
@@ -321,10 +310,6 @@ class PPEmbedding(nn.Module):
                     mine[i].copy_(gi)
         with comm.phase("backward"):
             comm.all_reduce(g, state.mp_group(), "mp", region="embedding.vocab_pp")
-        local, valid = self._local(self._ids)
-        dw = torch.zeros(self.weight.shape, dtype=torch.float32, device=g.device)
-        if self.weight.shape[0]:
-            dw.index_add_(0, local.reshape(-1), g.reshape(-1, g.shape[-1]).float() * valid.reshape(-1, 1))
-        dw = dw.to(self.weight.dtype)
+        dw = vocab_slice_grad(self.weight.shape, local, valid, g.reshape(-1, h)).to(self.weight.dtype)
         self.weight.grad = dw if self.weight.grad is None else self.weight.grad + dw
-        self._ids = None
+        self._local = None
