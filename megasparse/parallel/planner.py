@@ -60,7 +60,7 @@ class StageEstimate:
 
     layers: int
     parts: str
-    """Extra pieces on this stage: emb, loss, emb/p and loss/p (1/pp shares of the vocabulary layers)."""
+    """Extra pieces on this stage: emb, loss, embN% (its share of the input embedding), loss/p (1/pp of the output)."""
     flops: float
     """Forward+backward FLOPs per micro-batch."""
     params: float
@@ -81,6 +81,8 @@ class Plan:
     vocab_over_pp: bool
     stages: list[StageEstimate]
     num_mb: int
+    emb_shares: list[float] | None = None
+    """Input-embedding fraction per stage (vocab_over_pp with embedding_over_pp), else None."""
 
     @property
     def max_flops(self) -> float:
@@ -88,7 +90,7 @@ class Plan:
 
     @property
     def step_flops(self) -> float:
-        """1F1B step ≈ (micro-batches + stages − 1) slots of the slowest stage."""
+        """Pipeline step ≈ (micro-batches + stages − 1) slots of the slowest stage (fill/drain ignored)."""
         return (self.num_mb + len(self.stages) - 1) * self.max_flops
 
 
@@ -97,6 +99,11 @@ def _vocab(cfg: Config, vocab: int | None) -> int:
     if not v:
         raise ConfigError("megasparse plan needs model.vocab_size (set it, or pass --vocab N)")
     return v
+
+
+def _padded_vocab(cfg: Config, vocab: int | None, shards: int) -> int:
+    mult = cfg.model.make_vocab_divisible_by * shards
+    return -(-_vocab(cfg, vocab) // mult) * mult
 
 
 def estimate(
@@ -112,11 +119,12 @@ def estimate(
     With vocab_over_pp and embedding_over_pp, ``emb_shares`` are the stages' fractions of the input embedding
     (None: the configured ``loss.embedding_pp_split``, else an even split)."""
     m, p = cfg.model, cfg.parallel
-    v = _vocab(cfg, vocab)
     pp, tp = len(split), p.tp
     shards = tp * (pp if vocab_over_pp else 1)
-    mult = m.make_vocab_divisible_by * shards
-    v_pad = -(-v // mult) * mult
+    v_pad = _padded_vocab(cfg, vocab, shards)
+    shares = None
+    if vocab_over_pp and cfg.loss.embedding_over_pp:
+        shares = emb_shares or cfg.loss.embedding_pp_split or [1.0 / pp] * pp
     tokens = m.seq_length * cfg.train.micro_batch_size
     num_mb = cfg.num_microbatches(dp)
     elem = 4 if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and cfg.train.device == "cpu") else 2
@@ -129,8 +137,7 @@ def estimate(
         in_flight = min(2 * (pp - 1 - r) + 1 if vocab_over_pp else pp - r, num_mb)
         act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
         parts = []
-        if vocab_over_pp and cfg.loss.embedding_over_pp:
-            shares = emb_shares or cfg.loss.embedding_pp_split or [1.0 / pp] * pp
+        if shares is not None:
             parts.append(f"emb{100 * shares[r]:.0f}%")
             params += v_pad * h / tp * shares[r]
             if r == 0:  # every micro-batch's input and its gradient live for the whole step
@@ -154,7 +161,7 @@ def estimate(
                 act += tokens * out_cols * (4 + elem)
         stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, params * STATE_BYTES / GIB, act / GIB))
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
-    return Plan(name, list(split), vocab_over_pp, stages, num_mb)
+    return Plan(name, list(split), vocab_over_pp, stages, num_mb, shares)
 
 
 def embedding_shares(cfg: Config, split: list[int], vocab: int | None = None, dp: int = 1) -> list[float]:
@@ -166,10 +173,8 @@ def embedding_shares(cfg: Config, split: list[int], vocab: int | None = None, dp
     if cfg.loss.embedding_pp_split is not None:
         return list(cfg.loss.embedding_pp_split)
     base = [s.mem_gib for s in estimate(cfg, split, True, vocab, dp, emb_shares=[0.0] * pp).stages]
-    m, tp = cfg.model, cfg.parallel.tp
-    mult = m.make_vocab_divisible_by * tp * pp
-    v_pad = -(-_vocab(cfg, vocab) // mult) * mult
-    total = v_pad * m.hidden_size / tp * STATE_BYTES / GIB
+    tp = cfg.parallel.tp
+    total = _padded_vocab(cfg, vocab, tp * pp) * cfg.model.hidden_size / tp * STATE_BYTES / GIB
     lo, hi = min(base), max(base) + total
     for _ in range(100):  # bisect the water level: sum of max(0, level - base) == total
         mid = (lo + hi) / 2
@@ -280,9 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_plan(plan, pa))
     print()
     print(f"recommended: parallel.layer_split={pb.split}  (or loss.vocab_over_pp=true parallel.layer_split={pc.split})")
-    if cfg.loss.embedding_over_pp:
-        shares = embedding_shares(cfg, pc.split, a.vocab, a.dp)
-        print(f"with vocab_over_pp the input embedding is split {[round(x, 3) for x in shares]} over the stages "
+    if pc.emb_shares is not None:
+        print(f"with vocab_over_pp the input embedding is split {[round(x, 3) for x in pc.emb_shares]} over the stages "
               "(loss.embedding_pp_split; null = this planner's memory balance)")  # fmt: skip
     return 0
 
