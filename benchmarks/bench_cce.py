@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from megasparse.loss import LossConfig, vocab_parallel_loss
+from megasparse.loss import LossConfig, vocab_order, vocab_parallel_loss
 from megasparse.loss.cce import KernelConfig, triton_shard_backward, triton_shard_forward
 
 SHAPES = {"gemma2-2b": (8192, 256000, 2304), "llama3-8b": (8192, 128256, 4096)}
@@ -155,15 +155,16 @@ def sweep(h, w, t, rows: list[dict]) -> None:
 
     n, d = h.shape
     v = w.shape[0]
-    lse, _, sums = triton_shard_forward(h, w, t, v, col_sum=True)
-    perm = torch.argsort(sums, descending=True)
+    lse, _ = triton_shard_forward(h, w, t, v)
+    perm = vocab_order(h, w, v)
     g = torch.ones(n, device=h.device)
     best = (float("inf"), cce.BWD_CONFIG)
     for c in (
-        KernelConfig(128, 256, 64, 8, 3, 8), KernelConfig(128, 256, 64, 8, 3, 64), KernelConfig(128, 128, 64, 8, 3, 8),
-        KernelConfig(128, 128, 32, 4, 4, 8), KernelConfig(256, 128, 64, 8, 3, 4), KernelConfig(128, 128, 128, 8, 3, 8),
+        KernelConfig(128, 128, 64, 4, 3, 16, 128), KernelConfig(128, 128, 64, 4, 3, 8, 128),
+        KernelConfig(128, 128, 32, 4, 4, 8, 64), KernelConfig(128, 128, 128, 8, 3, 8),
+        KernelConfig(128, 256, 64, 8, 3, 8, 128),
     ):  # fmt: skip
-        for what in ("bwd-sorted",) if c.group_m != 8 or c.block_v != 256 else ("bwd", "bwd-sorted"):
+        for what in ("bwd", "bwd-sorted") if c == cce.BWD_CONFIG else ("bwd-sorted",):
             p = perm if what == "bwd-sorted" else None
             try:
                 ms = bench_ms(lambda c=c, p=p: triton_shard_backward(h, w, t, lse, g, g, v, None, 2.0**-12, p, cfg=c))

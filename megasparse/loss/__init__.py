@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from megasparse.loss.cce import CCEOptions, KernelConfig, VocabParallelCCE, shard_backward, shard_forward
+from megasparse.loss.cce import CCEOptions, KernelConfig, VocabParallelCCE, shard_backward, shard_forward, vocab_order
 from megasparse.loss.config import LossConfig
 from megasparse.loss.materialized import materialized_loss
 
-__all__ = ["LossConfig", "KernelConfig", "shard_backward", "shard_forward", "vocab_parallel_loss"]
+__all__ = ["LossConfig", "KernelConfig", "shard_backward", "shard_forward", "vocab_order", "vocab_parallel_loss"]
 
 
 def vocab_parallel_loss(

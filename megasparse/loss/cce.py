@@ -6,10 +6,13 @@ on the fly; it writes one partial (lse, target logit) per row and split, a [spli
 by a tiny logsumexp. No spin lock, no [n, V] tensor, deterministic.
 
 Backward (``_bwd_kernel``): one program per (row block, vocabulary block) recomputes the tile, forms
-gs·softmax − gt·onehot, skips the tile when every softmax entry is below ``filter_eps`` and no
-target falls in it, and otherwise atomically adds its dE and dC contributions. Programs that share
-a vocabulary block are launched together so the classifier tile is read from HBM once. Kept tiles add
-into dE/dC with vectorised read-modify-writes under per-(block, D-chunk) spin locks.
+gs·softmax, skips the tile when every softmax entry is below ``filter_eps``, and otherwise adds its dE
+and dC contributions with vectorised read-modify-writes under per-(block, D-chunk) spin locks.
+Programs that share a vocabulary block are launched together so the classifier tile is read from HBM
+once. The one-hot part (−gt at each row's target) is added by ``add_target_term``, a row-owned pass:
+inside the tile kernel it would force every tile holding a target through the locked adds. With
+filtering on, the vocabulary is walked in ``vocab_order`` (descending mean logit) so small columns
+share tiles and whole tiles are skipped.
 
 ``shard_forward`` / ``shard_backward`` are the split pieces a pipeline-vocabulary caller needs (lse
 partial + target logit partial; backward for a given merged lse); they pick Triton on CUDA, the
@@ -47,10 +50,12 @@ class KernelConfig:
     num_stages: int = 3
     group_m: int = 8
     """Backward only: row blocks that visit each vocabulary tile back to back."""
+    mm_block_d: int = 0
+    """Backward only: D chunk of the dE/dC read-modify-writes (0: ``block_d``); each chunk has its own lock."""
 
 
 FWD_CONFIG = KernelConfig(128, 256, 64, 8, 3)
-BWD_CONFIG = KernelConfig(128, 128, 128, 8, 3, 8)
+BWD_CONFIG = KernelConfig(128, 128, 64, 4, 3, 16, 128)
 _SMALL = KernelConfig(16, 32, 16, 4, 1, 2)  # interpreter / tiny problems
 # fp32 inputs: the bf16 tiles' shared-memory pipeline (3 stages of 4-byte tiles) exceeds Hopper's 227 KB
 _FP32 = {"fwd": KernelConfig(128, 256, 32, 8, 2), "bwd": KernelConfig(128, 128, 64, 8, 2, 8)}
@@ -88,9 +93,9 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        E, C, T, LSE_P, TGT_P, COL_SUM,
+        E, C, T, LSE_P, TGT_P,
         N, D, n_valid, blocks_per_split, stride_e, stride_c, softcap,
-        HAS_SOFTCAP: tl.constexpr, WANT_COL_SUM: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         DOT_PREC: tl.constexpr,
     ):  # fmt: skip
@@ -120,19 +125,16 @@ if triton is not None:
             s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(acc - m_new[:, None]), axis=1)
             m_i = m_new
             t_i += tl.sum(tl.where(cols[None, :] == tgt[:, None], acc, 0.0), axis=1)
-            if WANT_COL_SUM:
-                part = tl.sum(tl.where(row_ok[:, None] & col_ok[None, :], acc, 0.0), axis=0)
-                tl.atomic_add(COL_SUM + cols, part, mask=col_ok)
         tl.store(LSE_P + pid_s * N + rows, m_i + tl.log(s_i), mask=row_ok)
         tl.store(TGT_P + pid_s * N + rows, t_i, mask=row_ok)
 
     @triton.jit
     def _bwd_kernel(
-        E, C, T, LSE, GS, GT, PERM, DE, DC, DE_LOCK, DC_LOCK,
+        E, C, LSE, GS, PERM, DE, DC, DE_LOCK, DC_LOCK,
         N, D, n_valid, stride_e, stride_c, stride_de, stride_dc, softcap, eps,
         HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        DOT_PREC: tl.constexpr,
+        MM_BLOCK_D: tl.constexpr, MM_EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
     ):  # fmt: skip
         # grouped order: GROUP_M row blocks share each vocabulary tile back to back (C read from HBM once per
         # group, E of the group stays in L2), while a tile's dC locks see at most GROUP_M contenders at a time
@@ -158,26 +160,22 @@ if triton is not None:
             th = 2.0 * tl.sigmoid(acc * (2.0 / softcap)) - 1.0
             acc = softcap * th
         lse = tl.load(LSE + rows, mask=row_ok, other=float("inf"))
-        tgt = tl.load(T + rows, mask=row_ok, other=-1)
         p = tl.exp(acc - lse[:, None])
         p = tl.where(row_ok[:, None] & col_ok[None, :], p, 0.0)
-        is_t = (cols[None, :] == tgt[:, None]) & col_ok[None, :]
         keep = True
         if FILTER:
-            has_t = tl.max(tl.max(is_t.to(tl.int32), axis=1), axis=0) > 0
-            keep = (tl.max(tl.max(p, axis=1), axis=0) >= eps) | has_t
+            keep = tl.max(tl.max(p, axis=1), axis=0) >= eps
         if keep:
             gs = tl.load(GS + rows, mask=row_ok, other=0.0)
-            gt = tl.load(GT + rows, mask=row_ok, other=0.0)
-            g = gs[:, None] * p - tl.where(is_t, gt[:, None], 0.0)
+            g = gs[:, None] * p
             if HAS_SOFTCAP:
                 g = g * (1.0 - th * th)
             g = g.to(E.dtype.element_ty)
-            n_dc = tl.cdiv(D, BLOCK_D)
+            n_dc = tl.cdiv(D, MM_BLOCK_D)
             _locked_mm_add(g, C, cols, col_ok, DE, rows, row_ok, stride_c, stride_de, DE_LOCK + pid_m * n_dc, D,
-                           BLOCK_D, EVEN_D, DOT_PREC)  # fmt: skip
+                           MM_BLOCK_D, MM_EVEN_D, DOT_PREC)  # fmt: skip
             _locked_mm_add(tl.trans(g), E, rows, row_ok, DC, cols, col_ok, stride_e, stride_dc, DC_LOCK + pid_v * n_dc,
-                           D, BLOCK_D, EVEN_D, DOT_PREC)  # fmt: skip
+                           D, MM_BLOCK_D, MM_EVEN_D, DOT_PREC)  # fmt: skip
 
     @triton.jit
     def _locked_mm_add(
@@ -234,41 +232,35 @@ def triton_shard_forward(
     tgt: Tensor,
     n_valid: int,
     softcap: float | None = None,
-    col_sum: bool = False,
     cfg: KernelConfig | None = None,
     splits: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor]:
     """Triton version of ``reference.torch_shard_forward`` (same contract)."""
     _check(h, w)
     cfg = _pick(cfg, FWD_CONFIG, h)
     h, w = h.contiguous(), w.contiguous()
     n, d = h.shape
     dev = h.device
-    sums = torch.zeros(w.shape[0], dtype=torch.float32, device=dev) if col_sum else None
     if n == 0 or n_valid == 0:
-        return (
-            torch.full((n,), float("-inf"), device=dev),
-            torch.zeros(n, device=dev),
-            sums,
-        )
+        return torch.full((n,), float("-inf"), device=dev), torch.zeros(n, device=dev)
     num_m = triton.cdiv(n, cfg.block_m)
     n_vb = triton.cdiv(n_valid, cfg.block_v)
     if splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if h.is_cuda else 4
-        splits = max(1, min(n_vb, triton.cdiv(4 * sms, num_m)))
+        splits = max(1, min(n_vb, triton.cdiv(8 * sms, num_m)))  # 8 programs per SM: measured best on H200
     per = triton.cdiv(n_vb, splits)
     splits = triton.cdiv(n_vb, per)
     lse_p = torch.empty(splits, n, dtype=torch.float32, device=dev)
     tgt_p = torch.empty(splits, n, dtype=torch.float32, device=dev)
     _fwd_kernel[(num_m * splits,)](
-        h, w, tgt.to(torch.int32).contiguous(), lse_p, tgt_p, sums if sums is not None else lse_p,
+        h, w, tgt.to(torch.int32).contiguous(), lse_p, tgt_p,
         n, d, n_valid, per, h.stride(0), w.stride(0), float(softcap or 1.0),
-        HAS_SOFTCAP=softcap is not None, WANT_COL_SUM=col_sum,
+        HAS_SOFTCAP=softcap is not None,
         BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, EVEN_D=d % cfg.block_d == 0,
         DOT_PREC=_dot_prec(h), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     lse = torch.logsumexp(lse_p, dim=0) if splits > 1 else lse_p[0]
-    return lse, tgt_p.sum(0), sums
+    return lse, tgt_p.sum(0)
 
 
 def triton_shard_backward(
@@ -306,20 +298,50 @@ def _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter
     n, d = h.shape
     num_m = triton.cdiv(n, cfg.block_m)
     n_vb = triton.cdiv(n_valid, cfg.block_v)
-    perm_t = perm.to(torch.int32).contiguous() if perm is not None else tgt
-    n_dc = triton.cdiv(d, cfg.block_d)
+    perm_t = perm.to(torch.int32).contiguous() if perm is not None else lse
+    mm_d = cfg.mm_block_d or cfg.block_d
+    n_dc = triton.cdiv(d, mm_d)
     locks = torch.zeros(num_m * n_dc + n_vb * n_dc, dtype=torch.int32, device=h.device).split(
         [num_m * n_dc, n_vb * n_dc]
     )
     _bwd_kernel[(num_m * n_vb,)](
-        h, w, tgt.to(torch.int32).contiguous(), lse.float().contiguous(), gs.float().contiguous(),
-        gt.float().contiguous(), perm_t, d_e, d_c, locks[0], locks[1],
+        h, w, lse.float().contiguous(), gs.float().contiguous(), perm_t, d_e, d_c, locks[0], locks[1],
         n, d, n_valid, h.stride(0), w.stride(0), d_e.stride(0), d_c.stride(0),
         float(softcap or 1.0), float(filter_eps or 0.0),
         HAS_SOFTCAP=softcap is not None, FILTER=filter_eps is not None, HAS_PERM=perm is not None, GROUP_M=cfg.group_m,
         BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, EVEN_D=d % cfg.block_d == 0,
+        MM_BLOCK_D=mm_d, MM_EVEN_D=d % mm_d == 0,
         DOT_PREC=_dot_prec(h), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    add_target_term(h, w, tgt, gt, softcap, d_e, d_c)
+
+
+_TARGET_CHUNK_ELEMS = 1 << 20  # [rows, D] temporaries of the target pass: 2 MB each in bf16
+
+
+def add_target_term(
+    h: Tensor, w: Tensor, tgt: Tensor, gt: Tensor, softcap: float | None, d_e: Tensor, d_c: Tensor
+) -> None:
+    """dE[r] −= c_r·W[t_r] and dW[t_r] −= c_r·h[r] for rows whose target lies in this slice (c_r = gt_r, times
+    the softcap derivative at the target logit).
+
+    The one-hot part of the logit gradient touches one column per row, so it runs row-owned and chunked
+    instead of forcing every tile that holds a target through the tile kernel's locked adds.
+    """
+    n, d = h.shape
+    step = max(1, _TARGET_CHUNK_ELEMS // max(d, 1))
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        t = tgt[s:e]
+        tc = t.clamp_min(0).long()
+        coef = torch.where(t >= 0, gt[s:e].float(), 0.0)
+        wt = w.index_select(0, tc)
+        if softcap is not None:
+            th = torch.tanh(torch.linalg.vecdot(h[s:e].float(), wt.float()) / softcap)
+            coef = coef * (1 - th * th)
+        c = coef.to(d_e.dtype).unsqueeze(1)
+        d_e[s:e].addcmul_(c, wt, value=-1)
+        d_c.index_add_(0, tc, h[s:e] * c, alpha=-1)
 
 
 def shard_forward(
@@ -328,17 +350,29 @@ def shard_forward(
     tgt: Tensor,
     n_valid: int,
     softcap: float | None = None,
-    col_sum: bool = False,
     backend: str | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Loss pieces of one vocabulary slice: (lse partial [n], target-logit partial [n], column sums or None).
+) -> tuple[Tensor, Tensor]:
+    """Loss pieces of one vocabulary slice: (lse partial [n], target-logit partial [n]).
 
     ``tgt`` is the target's column within this slice, -1 where it lies in another slice. Merge the
     partials of all slices with logsumexp / sum, then call ``shard_backward`` with the merged lse.
     """
     if (backend or backend_for(h)) == "triton":
-        return triton_shard_forward(h, w, tgt, n_valid, softcap, col_sum)
-    return torch_shard_forward(h, w, tgt, n_valid, softcap, col_sum)
+        return triton_shard_forward(h, w, tgt, n_valid, softcap)
+    return torch_shard_forward(h, w, tgt, n_valid, softcap)
+
+
+def vocab_order(h: Tensor, w: Tensor, n_valid: int) -> Tensor | None:
+    """Walk order for the filtered backward: this slice's columns by descending mean logit over the rows of h.
+
+    Columns that are small for most rows then share tiles, so whole tiles fall below the filter threshold.
+    The mean logit is W·mean(h) (one GEMV, no pass over the logits); with a softcap it ranks the capped
+    logits the same way up to the cap's curvature, which is all a sort key needs.
+    """
+    if h.shape[0] == 0 or n_valid == 0:
+        return None
+    mean = h.mean(0, dtype=torch.float32).to(w.dtype)
+    return torch.argsort(w[:n_valid] @ mean, descending=True, stable=True)
 
 
 def shard_backward(
@@ -404,7 +438,7 @@ class VocabParallelCCE(torch.autograd.Function):
         h_v = _rows_or_all(h_full, vrows)
         t_v = _rows_or_all(targets, vrows) - opt.vocab_start
         t_v = torch.where((t_v >= 0) & (t_v < opt.n_valid), t_v, torch.full_like(t_v, -1))
-        lse_l, tgt_l, sums = shard_forward(h_v, weight, t_v, opt.n_valid, opt.softcap, opt.sort_vocab, opt.backend)
+        lse_l, tgt_l = shard_forward(h_v, weight, t_v, opt.n_valid, opt.softcap, opt.backend)
         lse, tgt = vocab.merge_shard_stats(lse_l.float(), tgt_l.float(), group)
         loss_v = lse - tgt
         if opt.z_loss:
@@ -413,11 +447,8 @@ class VocabParallelCCE(torch.autograd.Function):
             loss = loss_v
         else:
             loss = torch.zeros(n, dtype=torch.float32, device=targets.device).index_copy_(0, vrows, loss_v)
-        perm = None
-        if sums is not None:
-            perm = torch.argsort(sums[: opt.n_valid], descending=True, stable=True)
         lse_full = lse if vrows is None else torch.zeros(n, device=lse.device).index_copy_(0, vrows, lse)
-        ctx.save_for_backward(h_full, weight, targets, lse_full, keep_idx, valid, perm)
+        ctx.save_for_backward(h_full, weight, targets, lse_full, keep_idx, valid)
         ctx.group, ctx.opt, ctx.n_local, ctx.h_shape = group, opt, hidden.shape[0], h_shape
         # ``keep_idx`` may instead be a holder whose ``meta`` the trainer fills after selection.
         ctx.keep = keep
@@ -428,7 +459,7 @@ class VocabParallelCCE(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         from megasparse.parallel import vocab
 
-        h_full, weight, targets, lse, keep_idx, valid, perm = ctx.saved_tensors
+        h_full, weight, targets, lse, keep_idx, valid = ctx.saved_tensors
         opt: CCEOptions = ctx.opt
         n = targets.numel()
         meta = getattr(ctx.keep, "meta", None)
@@ -446,10 +477,11 @@ class VocabParallelCCE(torch.autograd.Function):
         gs = g * (1 + 2 * opt.z_loss * lse_r) if opt.z_loss else g
         t_r = _rows_or_all(targets, rows) - opt.vocab_start
         t_r = torch.where((t_r >= 0) & (t_r < opt.n_valid), t_r, torch.full_like(t_r, -1))
+        h_r = _rows_or_all(h_full, rows)
+        perm = vocab_order(h_r, weight, opt.n_valid) if opt.sort_vocab and opt.filter_eps is not None else None
         d_e, d_c = shard_backward(
-            _rows_or_all(h_full, rows), weight, t_r, lse_r, gs, g, opt.n_valid, opt.softcap, opt.filter_eps,
-            perm, opt.accum_fp32, opt.backend,
-        )  # fmt: skip
+            h_r, weight, t_r, lse_r, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, opt.backend
+        )
         if meta is not None:
             return (
                 vocab.compact_kept_grad(d_e, rows, meta, ctx.group, opt.sequence_parallel, ctx.h_shape),

@@ -17,7 +17,8 @@ class LossConfig:
     filter_eps: float | None = 2.0**-12
     """Skip softmax-gradient blocks whose entries are all below this; None is the exact mode."""
     sort_vocab: bool = True
-    """Sort the vocabulary by average logit so skippable blocks cluster (cce only; 1.6x faster backward measured)."""
+    """Walk the vocabulary by descending mean logit in the filtered backward, so skippable tiles cluster (cce with
+    filter_eps only; 1.9x faster backward measured on the Gemma-2 shape)."""
     softcap: float | None = None
     """Logit soft-capping value (Gemma-2 style), None for off."""
     z_loss: float = 0.0

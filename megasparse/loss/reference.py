@@ -43,15 +43,13 @@ def torch_shard_forward(
     tgt: Tensor,
     n_valid: int,
     softcap: float | None = None,
-    col_sum: bool = False,
     chunk: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(lse [n], target logit [n] (0 where the target is not in this shard), column sums [V_local] or None)."""
+) -> tuple[Tensor, Tensor]:
+    """(lse [n], target logit [n] (0 where the target is not in this shard))."""
     acc = _acc_dtype(h)
     n = h.shape[0]
     lse = torch.full((n,), float("-inf"), dtype=acc, device=h.device)
     tlogit = torch.zeros(n, dtype=acc, device=h.device)
-    sums = torch.zeros(w.shape[0], dtype=acc, device=h.device) if col_sum else None
     step = _chunk(n, n_valid, chunk)
     for s in range(0, n_valid, step):
         e = min(s + step, n_valid)
@@ -60,9 +58,7 @@ def torch_shard_forward(
         inside = (tgt >= s) & (tgt < e)
         picked = logits.gather(1, (tgt - s).clamp(0, e - s - 1).unsqueeze(1)).squeeze(1)
         tlogit += torch.where(inside, picked, torch.zeros_like(picked))
-        if sums is not None:
-            sums[s:e] = logits.sum(0)
-    return lse, tlogit, sums
+    return lse, tlogit
 
 
 def torch_shard_backward(

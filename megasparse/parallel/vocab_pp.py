@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from megasparse.loss import shard_backward, shard_forward
+from megasparse.loss import shard_backward, shard_forward, vocab_order
 from megasparse.loss.config import LossConfig
 from megasparse.ops.compact import CompactGrad
 from megasparse.parallel import comm, rows, state
@@ -87,8 +87,7 @@ class _Slice:
 
     def forward(self, h: Tensor, w: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """Merged per-token (lse, target logit) over every slice, identical on every rank."""
-        lse_l, tgt_l, _ = shard_forward(h, w, self._local_targets(targets), self.n_valid, self.cfg.softcap,
-                                        False, self.backend)  # fmt: skip
+        lse_l, tgt_l = shard_forward(h, w, self._local_targets(targets), self.n_valid, self.cfg.softcap, self.backend)
         FLOPS["forward"] += 2 * h.shape[0] * self.n_valid * h.shape[1]
         group = state.mp_group()
         parts = torch.stack([lse_l.float(), tgt_l.float()])
@@ -103,8 +102,9 @@ class _Slice:
         """(dE summed over every slice [n, h], this slice's dC) for per-token loss gradient ``g``."""
         z = self.cfg.z_loss
         gs = g * (1 + 2 * z * lse) if z else g
+        perm = vocab_order(h, w, self.n_valid) if self.cfg.sort_vocab and self.filter_eps is not None else None
         d_e, d_c = shard_backward(h, w, self._local_targets(targets), lse, gs, g, self.n_valid, self.cfg.softcap,
-                                  self.filter_eps, None, self.cfg.grad_accum_fp32, self.backend)  # fmt: skip
+                                  self.filter_eps, perm, self.cfg.grad_accum_fp32, self.backend)  # fmt: skip
         FLOPS["backward"] += 4 * h.shape[0] * self.n_valid * h.shape[1]
         comm.all_reduce(d_e, state.mp_group(), "mp", region=REGION)
         return d_e, d_c
