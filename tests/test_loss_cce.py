@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megasparse.configbase import ConfigError
-from megasparse.loss import LossConfig, shard_backward, shard_forward, vocab_parallel_loss
+from megasparse.loss import LossConfig, shard_backward, shard_forward, vocab_order, vocab_parallel_loss
 
 
 def ref_loss(h, w, t, vocab_size, softcap=None, z=0.0, ignore_index=-100):
@@ -163,3 +163,15 @@ def test_config_errors_name_the_key(field, value):
     cfg = LossConfig(**{field: value})
     with pytest.raises(ConfigError, match=f"loss.{field}"):
         cfg.validate()
+
+
+def test_vocab_order_ranks_columns_by_mean_logit():
+    """The filtered backward's walk order: descending mean logit over the rows, only the real columns."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(50, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(300, 16, generator=g, dtype=torch.float64)
+    order = vocab_order(h, w, 280)
+    assert sorted(order.tolist()) == list(range(280))
+    mean_logit = (h @ w[:280].T).mean(0)[order]
+    assert torch.all(mean_logit[:-1] >= mean_logit[1:] - 1e-12)
+    assert vocab_order(h[:0], w, 280) is None
