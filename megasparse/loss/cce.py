@@ -9,8 +9,10 @@ Backward (``_bwd_kernel``): one program per (row block, vocabulary block) recomp
 gs·softmax, skips the tile when every softmax entry is below ``filter_eps``, and otherwise adds its dE
 and dC contributions with vectorised read-modify-writes under per-(block, D-chunk) spin locks.
 Programs that share a vocabulary block are launched together so the classifier tile is read from HBM
-once. The one-hot part (−gt at each row's target) is added by ``add_target_term``, a row-owned pass:
-inside the tile kernel it would force every tile holding a target through the locked adds. With
+once. In exact mode (no filtering) the locks become tickets that fix the order of the adds, so exact-mode
+gradients are bitwise reproducible on the GPU too. The one-hot part (−gt at each row's target) is added
+by ``add_target_term``, a row-owned pass: inside the tile kernel it would force every tile holding a
+target through the locked adds. With
 filtering on, the vocabulary is walked in ``vocab_order`` (descending mean logit) so small columns
 share tiles and whole tiles are skipped.
 
@@ -134,7 +136,7 @@ if triton is not None:
         N, D, n_valid, stride_e, stride_c, stride_de, stride_dc, softcap, eps,
         HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-        MM_BLOCK_D: tl.constexpr, MM_EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+        MM_BLOCK_D: tl.constexpr, MM_EVEN_D: tl.constexpr, ORDERED: tl.constexpr, DOT_PREC: tl.constexpr,
     ):  # fmt: skip
         # grouped order: GROUP_M row blocks share each vocabulary tile back to back (C read from HBM once per
         # group, E of the group stays in L2), while a tile's dC locks see at most GROUP_M contenders at a time
@@ -172,20 +174,24 @@ if triton is not None:
                 g = g * (1.0 - th * th)
             g = g.to(E.dtype.element_ty)
             n_dc = tl.cdiv(D, MM_BLOCK_D)
+            # ORDERED (exact mode): dE of row block m takes tiles in vocabulary order, dC of tile v in row order
             _locked_mm_add(g, C, cols, col_ok, DE, rows, row_ok, stride_c, stride_de, DE_LOCK + pid_m * n_dc, D,
-                           MM_BLOCK_D, MM_EVEN_D, DOT_PREC)  # fmt: skip
+                           pid_v, MM_BLOCK_D, MM_EVEN_D, ORDERED, DOT_PREC)  # fmt: skip
             _locked_mm_add(tl.trans(g), E, rows, row_ok, DC, cols, col_ok, stride_e, stride_dc, DC_LOCK + pid_v * n_dc,
-                           D, MM_BLOCK_D, MM_EVEN_D, DOT_PREC)  # fmt: skip
+                           D, pid_m, MM_BLOCK_D, MM_EVEN_D, ORDERED, DOT_PREC)  # fmt: skip
 
     @triton.jit
     def _locked_mm_add(
-        a, B, b_rows, b_ok, OUT, o_rows, o_ok, stride_b, stride_o, LOCKS, D,
-        BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+        a, B, b_rows, b_ok, OUT, o_rows, o_ok, stride_b, stride_o, LOCKS, D, turn,
+        BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, ORDERED: tl.constexpr, DOT_PREC: tl.constexpr,
     ):  # fmt: skip
         """OUT[o_rows] += a @ B[b_rows], one D chunk at a time, each chunk under its own spin lock.
 
         Vectorised read-modify-write under a lock instead of per-element atomics: one atomic pair per
-        chunk, and a single rounding per add into a low-precision buffer.
+        chunk, and a single rounding per add into a low-precision buffer. ``ORDERED`` makes the lock a
+        ticket: this program adds when the chunk's counter equals ``turn``, then advances it, so the adds
+        land in a fixed order and the result is bitwise reproducible. Every writer of the block must run
+        (no skipped tiles), and each waits only on lower program ids, which are dispatched first.
         """
         offs_d = tl.arange(0, BLOCK_D)
         for d0 in range(0, D, BLOCK_D):
@@ -199,12 +205,19 @@ if triton is not None:
             b = tl.load(B + b_rows[:, None] * stride_b + dd[None, :], mask=m_b, other=0.0)
             part = tl.dot(a, b, input_precision=DOT_PREC)
             lock = LOCKS + d0 // BLOCK_D
-            while tl.atomic_cas(lock, 0, 1) == 1:
-                pass
+            if ORDERED:
+                while tl.atomic_cas(lock, turn, turn) != turn:
+                    pass
+            else:
+                while tl.atomic_cas(lock, 0, 1) == 1:
+                    pass
             ptrs = OUT + o_rows[:, None] * stride_o + dd[None, :]
             cur = tl.load(ptrs, mask=m_o, other=0.0)
             tl.store(ptrs, (cur.to(tl.float32) + part).to(OUT.dtype.element_ty), mask=m_o)
-            tl.atomic_xchg(lock, 0)
+            if ORDERED:
+                tl.atomic_xchg(lock, turn + 1)
+            else:
+                tl.atomic_xchg(lock, 0)
 
 
 def _pick(cfg: KernelConfig | None, default: KernelConfig, t: Tensor) -> KernelConfig:
@@ -310,7 +323,7 @@ def _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter
         float(softcap or 1.0), float(filter_eps or 0.0),
         HAS_SOFTCAP=softcap is not None, FILTER=filter_eps is not None, HAS_PERM=perm is not None, GROUP_M=cfg.group_m,
         BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, EVEN_D=d % cfg.block_d == 0,
-        MM_BLOCK_D=mm_d, MM_EVEN_D=d % mm_d == 0,
+        MM_BLOCK_D=mm_d, MM_EVEN_D=d % mm_d == 0, ORDERED=filter_eps is None,
         DOT_PREC=_dot_prec(h), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     add_target_term(h, w, tgt, gt, softcap, d_e, d_c)
@@ -341,7 +354,7 @@ def add_target_term(
             coef = coef * (1 - th * th)
         c = coef.to(d_e.dtype).unsqueeze(1)
         d_e[s:e].addcmul_(c, wt, value=-1)
-        d_c.index_add_(0, tc, h[s:e] * c, alpha=-1)
+        d_c.index_put_((tc,), h[s:e] * -c, accumulate=True)  # sort-based on CUDA: deterministic
 
 
 def shard_forward(
