@@ -229,11 +229,12 @@ class VocabPPPeer:
                 g = torch.empty_like(lse)
                 _broadcast_from_last(g)
                 _, d_c = self.sl.backward(h, w, targets, lse, g)
-        d_c = d_c.to(self.weight.dtype)
+        # this runs while stage 0 holds its most in-flight activations (lock step): free the compute-dtype
+        # weight copy first and add in place, so no [V_slice, h] fp32 temporary joins the peak
+        del w, h
         if self.weight.grad is None:
-            self.weight.grad = d_c
-        else:
-            self.weight.grad += d_c
+            self.weight.grad = torch.zeros_like(self.weight)
+        self.weight.grad.add_(d_c)
 
 
 class PPEmbedding(nn.Module):
