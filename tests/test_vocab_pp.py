@@ -131,3 +131,56 @@ def test_bad_embedding_split_is_one_line():
     with pytest.raises(ConfigError, match="loss.embedding_pp_split") as e:
         cfg.validate(2)
     assert "\n" not in str(e.value)
+
+
+def _ignored_rows_worker() -> dict:
+    """PP=2: the last stage's loss and its peer's slice, with ignore_index rows, against one full-vocab slice."""
+    from megasparse.loss import LossConfig
+    from megasparse.parallel import state, vocab_pp
+
+    lay = state.init(tp=1, pp=2)
+    g = torch.Generator().manual_seed(3)
+    n, v, h = 20, 2 * BLOCK, H
+    hid = torch.randn(n, 1, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) / h**0.5 * 3
+    t = torch.randint(0, v, (n,), generator=g)
+    t[[0, 7, 8, 19]] = -100
+    gout = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    cfg = LossConfig(impl="cce", filter_eps=None, backend="torch")
+    half = v // 2
+    mine = slice(lay.pp_rank * half, (lay.pp_rank + 1) * half)
+    wp = torch.nn.Parameter(w[mine].clone())
+    out = {}
+    vocab_pp.reset_flops()
+    if lay.is_last_stage:
+        hh = hid.clone().requires_grad_()
+        loss = vocab_pp.vocab_pp_loss(hh, wp, t, cfg, vocab_start=mine.start, vocab_size=v)
+        loss.backward(gout)
+        out.update(loss=loss.detach(), d_h=hh.grad.reshape(n, h))
+    else:
+        peer = vocab_pp.VocabPPPeer(wp, cfg, vocab_start=mine.start, vocab_size=v, rows=n,
+                                    compute_dtype=torch.float64)  # fmt: skip
+        peer.step(t, train=True)
+    out["d_w"] = wp.grad
+    out["flops"] = dict(vocab_pp.FLOPS)
+    state.destroy()
+    # reference: one process, the whole vocabulary
+    hr, wr = hid.reshape(n, h).clone().requires_grad_(), w.clone().requires_grad_()
+    lg = hr @ wr.T
+    valid = t != -100
+    ref = torch.where(valid, torch.logsumexp(lg, 1) - lg.gather(1, t.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    ref.backward(gout)
+    out.update(ref_loss=ref.detach(), ref_dh=hr.grad, ref_dw=wr.grad[mine], valid=valid)
+    return out
+
+
+def test_pp2_vocab_over_pp_drops_ignored_rows():
+    # the slices' (lse, target logit) partials are merged in fp32, hence 1e-6 rather than fp64 agreement
+    for r in run_distributed(_ignored_rows_worker, 2):
+        assert rel(r["d_w"], r["ref_dw"]) < 1e-6
+        rows = int(r["valid"].sum())  # ignored rows never reach the kernels
+        assert r["flops"]["forward"] == 2 * rows * BLOCK * H and r["flops"]["backward"] == 4 * rows * BLOCK * H
+        if "loss" in r:
+            assert rel(r["loss"].double(), r["ref_loss"]) < 1e-6
+            assert rel(r["d_h"], r["ref_dh"]) < 1e-6
+            assert torch.all(r["d_h"][~r["valid"]] == 0) and torch.all(r["loss"][~r["valid"]] == 0)

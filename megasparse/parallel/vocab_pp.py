@@ -73,8 +73,11 @@ def stage_rows(vocab_padded: int, shares: list[float], unit: int) -> list[int]:
 class _Slice:
     """One rank's slice of the output layer and the collectives shared by the last stage and its peers."""
 
-    def __init__(self, cfg: LossConfig, vocab_start: int, vocab_size: int, width: int, dtype: torch.dtype):
+    def __init__(
+        self, cfg: LossConfig, vocab_start: int, vocab_size: int, width: int, dtype: torch.dtype, ignore_index: int
+    ):
         self.cfg = cfg
+        self.ignore_index = ignore_index
         self.start = vocab_start
         self.n_valid = max(0, min(width, vocab_size - vocab_start))
         self.dtype = dtype
@@ -85,10 +88,18 @@ class _Slice:
         t = targets - self.start
         return torch.where((t >= 0) & (t < self.n_valid), t, torch.full_like(t, -1))
 
+    def _valid_rows(self, targets: Tensor) -> Tensor | None:
+        """Rows whose target is not ignore_index (None: all). Every rank builds the same targets, so every rank
+        drops the same rows before the kernels and the collectives carry valid rows only."""
+        valid = targets != self.ignore_index
+        return None if bool(valid.all()) else valid.nonzero().squeeze(1)
+
     def forward(self, h: Tensor, w: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """Merged per-token (lse, target logit) over every slice, identical on every rank."""
-        lse_l, tgt_l = shard_forward(h, w, self._local_targets(targets), self.n_valid, self.cfg.softcap, self.backend)
-        FLOPS["forward"] += 2 * h.shape[0] * self.n_valid * h.shape[1]
+        """Merged per-token (lse, target logit) over every slice, identical on every rank (0 on ignored rows)."""
+        rows = self._valid_rows(targets)
+        hv, tv = (h, targets) if rows is None else (h.index_select(0, rows), targets.index_select(0, rows))
+        lse_l, tgt_l = shard_forward(hv, w, self._local_targets(tv), self.n_valid, self.cfg.softcap, self.backend)
+        FLOPS["forward"] += 2 * hv.shape[0] * self.n_valid * h.shape[1]
         group = state.mp_group()
         parts = torch.stack([lse_l.float(), tgt_l.float()])
         n = comm.world_size(group)
@@ -96,10 +107,18 @@ class _Slice:
             parts = comm.all_gather(parts, group, "mp", dim=0, region=REGION).view(n, 2, -1)
         else:
             parts = parts.unsqueeze(0)
-        return torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(0)
+        lse, tgt = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(0)
+        if rows is None:
+            return lse, tgt
+        full = torch.zeros(2, h.shape[0], dtype=lse.dtype, device=lse.device)
+        return full[0].index_copy_(0, rows, lse), full[1].index_copy_(0, rows, tgt)
 
     def backward(self, h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """(dE summed over every slice [n, h], this slice's dC) for per-token loss gradient ``g``."""
+        n = h.shape[0]
+        rows = self._valid_rows(targets)
+        if rows is not None:
+            h, targets, lse, g = (t.index_select(0, rows) for t in (h, targets, lse, g))
         z = self.cfg.z_loss
         gs = g * (1 + 2 * z * lse) if z else g
         perm = vocab_order(h, w, self.n_valid) if self.cfg.sort_vocab and self.filter_eps is not None else None
@@ -107,6 +126,8 @@ class _Slice:
                                   self.filter_eps, perm, self.cfg.grad_accum_fp32, self.backend)  # fmt: skip
         FLOPS["backward"] += 4 * h.shape[0] * self.n_valid * h.shape[1]
         comm.all_reduce(d_e, state.mp_group(), "mp", region=REGION)
+        if rows is not None:
+            d_e = torch.zeros(n, d_e.shape[1], dtype=d_e.dtype, device=d_e.device).index_copy_(0, rows, d_e)
         return d_e, d_c
 
 
@@ -182,7 +203,7 @@ def vocab_pp_loss(
     compute dtype. Every other pipeline rank must run ``VocabPPPeer.step`` for the same micro-batch.
     ``keep``: a KeepHolder whose ``meta`` selection fills before backward (collider: compact backward).
     """
-    sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], weight.dtype)
+    sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], weight.dtype, ignore_index)
     return _LastStageLoss.apply(hidden, weight, targets, sl, sequence_parallel, ignore_index, keep)
 
 
@@ -206,7 +227,7 @@ class VocabPPPeer:
         self.rows = rows
         self.kept_rows = kept_rows
         self.ignore_index = ignore_index
-        self.sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], compute_dtype)
+        self.sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], compute_dtype, ignore_index)
 
     def step(self, targets: Tensor, train: bool) -> None:
         """Join the last stage's loss of one micro-batch (forward, and with ``train`` its backward)."""
