@@ -28,6 +28,7 @@ def _run_cases() -> None:
 
     from megasparse.loss import LossConfig, vocab_parallel_loss
     from megasparse.loss.cce import KernelConfig, triton_shard_backward, triton_shard_forward
+    from megasparse.loss.reference import torch_shard_backward
 
     for i, (n, v, pad, d, sc, z, eps, srt) in enumerate(CASES):
         g = torch.Generator().manual_seed(100 + i)
@@ -61,6 +62,14 @@ def _run_cases() -> None:
         d_e, _ = triton_shard_backward(h, w, tl, lse_k, gout, gout, v, sc, None, None, cfg=cfg_k)
         d_e2, _ = triton_shard_backward(h, w, tl, lse_k, gout, gout, v, sc, None, None, cfg=cfg_k)
         assert torch.equal(d_e, d_e2), "interpreted exact mode must be deterministic"
+        d_e3, _ = triton_shard_backward(h, w, tl, lse_k, gout, gout, v, sc, None, None, accum_fp32=True, cfg=cfg_k)
+        torch.testing.assert_close(d_e3, d_e, rtol=1e-5, atol=1e-6)
+        # eps above any probability skips every tile: only the row-owned one-hot pass adds anything
+        d_e, d_c = triton_shard_backward(h, w, tl, lse_k, gout, gout, v, sc, 1.01, None, cfg=cfg_k)
+        r_e, r_c = torch_shard_backward(h, w, tl, lse_k, gout, gout, v, sc, 1.01, None)
+        torch.testing.assert_close(d_e, r_e, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(d_c, r_c, rtol=1e-5, atol=1e-6)
+        assert d_e[valid].abs().sum(1).gt(0).all() and d_e[~valid].eq(0).all()
         print(f"case {i} ok")
     print("ALL OK")
 

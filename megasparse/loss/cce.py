@@ -292,16 +292,17 @@ def triton_shard_backward(
 ) -> tuple[Tensor, Tensor]:
     """Triton version of ``reference.torch_shard_backward``; filtering is per (row block, vocab block) tile.
 
-    Gradients are added under per-chunk spin locks into buffers of the input dtype unless ``accum_fp32``
-    (fp32 scratch of [n, D] + [V_local, D]: exact-mode precision at the cost of memory).
+    Gradients are added under per-chunk spin locks into buffers of the input dtype. ``accum_fp32`` gives dE
+    an fp32 scratch ([n, D]): each dE row takes one add per kept vocabulary tile (hundreds at a 256K
+    vocabulary), so bf16 rounding dominates its error; dC rows take one add per row block and stay in the
+    input dtype (docs/benchmarks/cce.md, gradient accuracy).
     """
     _check(h, w)
     cfg = _pick(cfg, BWD_CONFIG, h)
     h, w = h.contiguous(), w.contiguous()
     n, d = h.shape
-    acc_dt = torch.float32 if accum_fp32 else h.dtype
-    d_e = torch.zeros(n, d, dtype=acc_dt, device=h.device)
-    d_c = torch.zeros(w.shape[0], d, dtype=acc_dt, device=h.device)
+    d_e = torch.zeros(n, d, dtype=torch.float32 if accum_fp32 else h.dtype, device=h.device)
+    d_c = torch.zeros(w.shape[0], d, dtype=w.dtype, device=h.device)
     if n and n_valid:
         _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter_eps, cfg)
     return d_e.to(h.dtype), d_c.to(w.dtype)
