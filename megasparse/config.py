@@ -136,6 +136,11 @@ class Config:
         self.sparsity.validate()
         if self.filter.mode != "off" and self.filter.granularity == "shard" and not p.sequence_parallel:
             raise ConfigError("filter.granularity=shard needs parallel.sequence_parallel=true")
+        if self.loss.impl == "mcore" and self.filter.mode == "collider":
+            raise ConfigError(
+                "loss.impl=mcore has a dense backward, so filter.mode=collider cannot compact it; "
+                "use loss.impl=cce or torch, or filter.mode=loss_mask"
+            )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")
         split = self.loss.embedding_pp_split

@@ -1,4 +1,5 @@
-"""Vocabulary-parallel output loss: Cut Cross-Entropy (``impl=cce``) or materialised logits (``impl=torch``).
+"""Vocabulary-parallel output loss: Cut Cross-Entropy (``impl=cce``), materialised logits (``impl=torch``), or
+megatron-core's own materialised cross-entropy (``impl=mcore``, the unmodified baseline).
 
 ``vocab_parallel_loss`` is what the trainer calls. The per-slice pieces (``shard_forward`` /
 ``shard_backward``) are exported for callers that split the vocabulary further (pipeline ranks).
@@ -37,6 +38,15 @@ def vocab_parallel_loss(
     """
     n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
     targets = targets.reshape(-1)
+    if cfg.impl == "mcore":  # dense backward: a KeepHolder is ignored (config validation rejects collider)
+        from megasparse.parallel.mcore_ce import mcore_vocab_parallel_loss
+
+        if isinstance(keep_idx, Tensor):
+            raise ValueError("loss.impl=mcore has a dense backward: keep_idx is not supported")
+        return mcore_vocab_parallel_loss(
+            hidden, weight, targets, n_valid=n_valid, group=tp_group, sequence_parallel=sequence_parallel,
+            ignore_index=ignore_index,
+        )  # fmt: skip
     if cfg.impl == "torch":
         return materialized_loss(
             hidden, weight, targets, vocab_start=vocab_start, n_valid=n_valid, softcap=cfg.softcap,

@@ -13,7 +13,8 @@ class LossConfig:
 
     impl: str = "torch"
     """cce (Triton Cut Cross-Entropy; torch chunked reference on CPU), torch (materialised logits,
-    megatron-style vocab-parallel cross-entropy)."""
+    megatron-style vocab-parallel cross-entropy with compact filtered backward), mcore (megatron-core's own
+    vocab_parallel_cross_entropy, unmodified: the baseline; dense backward, no softcap/z-loss)."""
     filter_eps: float | None = 2.0**-12
     """Skip softmax-gradient blocks whose entries are all below this; None is the exact mode."""
     sort_vocab: bool = True
@@ -41,8 +42,12 @@ class LossConfig:
     activations (the last stages) until the estimated per-stage memory is level."""
 
     def validate(self) -> None:
-        if self.impl not in ("cce", "torch"):
-            raise ConfigError(f"loss.impl={self.impl!r}: use cce or torch")
+        if self.impl not in ("cce", "torch", "mcore"):
+            raise ConfigError(f"loss.impl={self.impl!r}: use cce, torch or mcore")
+        if self.impl == "mcore" and (self.softcap is not None or self.z_loss):
+            raise ConfigError("loss.impl=mcore: megatron-core's loss has no softcap or z-loss; use cce or torch")
+        if self.impl == "mcore" and self.vocab_over_pp:
+            raise ConfigError("loss.impl=mcore cannot shard the vocabulary over PP; use loss.impl=cce or torch")
         if self.backend not in (None, "triton", "torch"):
             raise ConfigError(f"loss.backend={self.backend!r}: use triton, torch or leave it unset")
         if self.filter_eps is not None and not 0 <= self.filter_eps < 1:
