@@ -18,9 +18,11 @@ def _rel(a, b) -> float:
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
-    "softcap,z,eps", [(None, 0.0, None), (30.0, 1e-4, None), (None, 0.0, 2.0**-12)], ids=["exact", "cap-z", "filter"]
+    "softcap,z,eps,acc32",
+    [(None, 0.0, None, False), (30.0, 1e-4, None, False), (None, 0.0, 2.0**-12, False), (None, 0.0, 2.0**-12, True)],
+    ids=["exact", "cap-z", "filter", "filter-fp32dE"],
 )
-def test_cce_matches_fp64(dtype, tol, softcap, z, eps):
+def test_cce_matches_fp64(dtype, tol, softcap, z, eps, acc32):
     n, v, d = 1037, 50257, 2304
     g = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     h = torch.randn(n, d, device="cuda", generator=g).to(dtype)
@@ -29,7 +31,7 @@ def test_cce_matches_fp64(dtype, tol, softcap, z, eps):
     t[::7] = -100
     gout = torch.rand(n, device="cuda", generator=g) + 0.5
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    cfg = LossConfig(impl="cce", softcap=softcap, z_loss=z, filter_eps=eps, sort_vocab=True)
+    cfg = LossConfig(impl="cce", softcap=softcap, z_loss=z, filter_eps=eps, sort_vocab=True, grad_accum_fp32=acc32)
     loss = vocab_parallel_loss(hh, ww, t, cfg, vocab_start=0, vocab_size=v)
     loss.backward(gout)
 

@@ -175,3 +175,26 @@ def test_vocab_order_ranks_columns_by_mean_logit():
     mean_logit = (h @ w[:280].T).mean(0)[order]
     assert torch.all(mean_logit[:-1] >= mean_logit[1:] - 1e-12)
     assert vocab_order(h[:0], w, 280) is None
+
+
+def test_target_term_with_fp32_de_and_bf16_dw():
+    """The row-owned one-hot pass: dE[r] −= gt·W[t_r], dW[t] −= gt·h[r], into an fp32 dE (grad_accum_fp32)
+    next to a bf16 dW, with repeated targets and rows whose target lies in another shard."""
+    from megasparse.loss.cce import add_target_term
+
+    g = torch.Generator().manual_seed(9)
+    n, v, d = 37, 11, 8
+    h = torch.randn(n, d, generator=g).to(torch.bfloat16)
+    w = torch.randn(v, d, generator=g).to(torch.bfloat16)
+    t = torch.randint(-1, v, (n,), generator=g)
+    gt = torch.rand(n, generator=g) + 0.5
+    d_e = torch.zeros(n, d)
+    d_c = torch.zeros(v, d, dtype=torch.bfloat16)
+    add_target_term(h, w, t, gt, None, d_e, d_c)
+    on = (t >= 0).double()
+    ref_e = -(gt.double() * on)[:, None] * w.double()[t.clamp(min=0)]
+    ref_c = torch.zeros(v, d, dtype=torch.float64)
+    ref_c.index_add_(0, t.clamp(min=0), -(gt.double() * on)[:, None] * h.double())
+    assert d_e.dtype == torch.float32 and d_c.dtype == torch.bfloat16
+    torch.testing.assert_close(d_e.double(), ref_e, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(d_c.double(), ref_c, rtol=2e-2, atol=2e-2)

@@ -6,15 +6,15 @@ on the fly; it writes one partial (lse, target logit) per row and split, a [spli
 by a tiny logsumexp. No spin lock, no [n, V] tensor, deterministic.
 
 Backward (``_bwd_kernel``): one program per (row block, vocabulary block) recomputes the tile, forms
-gs·softmax, skips the tile when every softmax entry is below ``filter_eps``, and otherwise adds its dE
-and dC contributions with vectorised read-modify-writes under per-(block, D-chunk) spin locks.
-Programs that share a vocabulary block are launched together so the classifier tile is read from HBM
-once. In exact mode (no filtering) the locks become tickets that fix the order of the adds, so exact-mode
-gradients are bitwise reproducible on the GPU too. The one-hot part (−gt at each row's target) is added
-by ``add_target_term``, a row-owned pass: inside the tile kernel it would force every tile holding a
-target through the locked adds. With
-filtering on, the vocabulary is walked in ``vocab_order`` (descending mean logit) so small columns
-share tiles and whole tiles are skipped.
+gs·softmax (minus gt at the targets in exact mode), skips the tile when every softmax entry is below
+``filter_eps``, and otherwise adds its dE and dC contributions with vectorised read-modify-writes under
+per-(block, D-chunk) spin locks. Programs that share a vocabulary block are launched together so the
+classifier tile is read from HBM once. In exact mode (no filtering) the locks become tickets that fix the
+order of the adds, so exact-mode gradients are bitwise reproducible on the GPU too. With filtering, the
+one-hot part (−gt at each row's target) is added by ``add_target_term``, a row-owned pass: inside the tile
+kernel it would force every tile holding a target through the locked adds. With filtering on, the
+vocabulary is walked in ``vocab_order`` (descending mean logit) so small columns share tiles and whole
+tiles are skipped.
 
 ``shard_forward`` / ``shard_backward`` are the split pieces a pipeline-vocabulary caller needs (lse
 partial + target logit partial; backward for a given merged lse); they pick Triton on CUDA, the
@@ -132,7 +132,7 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(
-        E, C, LSE, GS, PERM, DE, DC, DE_LOCK, DC_LOCK,
+        E, C, T, LSE, GS, GT, PERM, DE, DC, DE_LOCK, DC_LOCK,
         N, D, n_valid, stride_e, stride_c, stride_de, stride_dc, softcap, eps,
         HAS_SOFTCAP: tl.constexpr, FILTER: tl.constexpr, HAS_PERM: tl.constexpr, GROUP_M: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
@@ -170,6 +170,13 @@ if triton is not None:
         if keep:
             gs = tl.load(GS + rows, mask=row_ok, other=0.0)
             g = gs[:, None] * p
+            if not FILTER:
+                # exact mode runs every tile: the one-hot part goes in here, so p − 1 at the target cancels in
+                # fp32 before g is rounded (added afterwards it cancels against the rounded sum: 0.87 vs 0.71
+                # dE error on the Gemma shape, H200)
+                tgt = tl.load(T + rows, mask=row_ok, other=-1)
+                gt = tl.load(GT + rows, mask=row_ok, other=0.0)
+                g = g - tl.where((cols[None, :] == tgt[:, None]) & col_ok[None, :], gt[:, None], 0.0)
             if HAS_SOFTCAP:
                 g = g * (1.0 - th * th)
             g = g.to(E.dtype.element_ty)
@@ -214,6 +221,8 @@ if triton is not None:
             ptrs = OUT + o_rows[:, None] * stride_o + dd[None, :]
             cur = tl.load(ptrs, mask=m_o, other=0.0)
             tl.store(ptrs, (cur.to(tl.float32) + part).to(OUT.dtype.element_ty), mask=m_o)
+            # every thread's stores must be issued before one thread's release hands the chunk on
+            tl.debug_barrier()
             if ORDERED:
                 tl.atomic_xchg(lock, turn + 1)
             else:
@@ -319,7 +328,8 @@ def _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter
         [num_m * n_dc, n_vb * n_dc]
     )
     _bwd_kernel[(num_m * n_vb,)](
-        h, w, lse.float().contiguous(), gs.float().contiguous(), perm_t, d_e, d_c, locks[0], locks[1],
+        h, w, tgt.to(torch.int32).contiguous(), lse.float().contiguous(), gs.float().contiguous(),
+        gt.float().contiguous(), perm_t, d_e, d_c, locks[0], locks[1],
         n, d, n_valid, h.stride(0), w.stride(0), d_e.stride(0), d_c.stride(0),
         float(softcap or 1.0), float(filter_eps or 0.0),
         HAS_SOFTCAP=softcap is not None, FILTER=filter_eps is not None, HAS_PERM=perm is not None, GROUP_M=cfg.group_m,
@@ -327,7 +337,8 @@ def _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter
         MM_BLOCK_D=mm_d, MM_EVEN_D=d % mm_d == 0, ORDERED=filter_eps is None,
         DOT_PREC=_dot_prec(h), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    add_target_term(h, w, tgt, gt, softcap, d_e, d_c)
+    if filter_eps is not None:  # exact mode added the one-hot part inside the tiles
+        add_target_term(h, w, tgt, gt, softcap, d_e, d_c)
 
 
 _TARGET_CHUNK_ELEMS = 1 << 20  # [rows, D] temporaries of the target pass: 2 MB each in bf16
@@ -340,7 +351,8 @@ def add_target_term(
     the softcap derivative at the target logit).
 
     The one-hot part of the logit gradient touches one column per row, so it runs row-owned and chunked
-    instead of forcing every tile that holds a target through the tile kernel's locked adds.
+    instead of forcing every tile that holds a target through the tile kernel's locked adds (filtered mode only;
+    exact mode forms it inside the tiles).
     """
     n, d = h.shape
     step = max(1, _TARGET_CHUNK_ELEMS // max(d, 1))
@@ -353,9 +365,8 @@ def add_target_term(
         if softcap is not None:
             th = torch.tanh(torch.linalg.vecdot(h[s:e].float(), wt.float()) / softcap)
             coef = coef * (1 - th * th)
-        c = coef.to(d_e.dtype).unsqueeze(1)
-        d_e[s:e].addcmul_(c, wt, value=-1)
-        d_c.index_put_((tc,), h[s:e] * -c, accumulate=True)  # sort-based on CUDA: deterministic
+        d_e[s:e].addcmul_(coef.to(d_e.dtype).unsqueeze(1), wt, value=-1)
+        d_c.index_add_(0, tc, h[s:e] * coef.to(d_c.dtype).unsqueeze(1), alpha=-1)
 
 
 def shard_forward(

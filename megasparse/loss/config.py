@@ -27,7 +27,7 @@ class LossConfig:
     grad_accum_fp32: bool = False
     """Accumulate the CCE backward's dE in fp32 scratch ([tokens, h] fp32 extra) instead of in the parameter
     dtype. Each dE row takes one add per kept vocabulary tile, so in bf16 its rounding dominates: on the Gemma-2
-    shape the dE error against fp32 falls from 0.37 to 0.19 filtered and from 0.71 to 0.005 exact (H200,
+    shape the dE error against fp32 falls from 0.37 to 0.19 filtered and from 0.71 to 0.003 exact (H200,
     docs/benchmarks/cce.md)."""
     backend: str | None = None
     """Force the cce backend: triton or torch (None: Triton on CUDA, the chunked torch reference on CPU)."""
