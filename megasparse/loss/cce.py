@@ -440,6 +440,25 @@ def _rows_or_all(h: Tensor, rows: Tensor | None) -> Tensor:
     return h if rows is None else h.index_select(0, rows)
 
 
+def rows_to_all(x: Tensor, rows: Tensor | None, n: int) -> Tensor:
+    """Inverse of selecting ``rows``: ``x`` scattered into n rows of zeros (``x`` itself when rows is None)."""
+    return x if rows is None else x.new_zeros(n, *x.shape[1:]).index_copy_(0, rows, x)
+
+
+def valid_rows(targets: Tensor, ignore_index: int) -> Tensor | None:
+    """Indices of the rows whose target is not ``ignore_index``; None when all are (the common case, no copy).
+
+    Callers drop the others before any kernel or collective (the paper's Appendix A)."""
+    valid = targets != ignore_index
+    return None if bool(valid.all()) else valid.nonzero().squeeze(1)
+
+
+def local_targets(targets: Tensor, start: int, n_valid: int) -> Tensor:
+    """Each target's column in the vocabulary slice [start, start + n_valid), -1 where it lies elsewhere."""
+    t = targets - start
+    return torch.where((t >= 0) & (t < n_valid), t, torch.full_like(t, -1))
+
+
 class VocabParallelCCE(torch.autograd.Function):
     """Per-token loss lse − target logit + z·lse² over a TP-sharded vocabulary, never materialising logits.
 
@@ -459,20 +478,15 @@ class VocabParallelCCE(torch.autograd.Function):
         h_full = vocab.gather_rows(hidden, group, opt.sequence_parallel)
         n = targets.numel()
         valid = targets != opt.ignore_index
-        vrows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+        vrows = valid_rows(targets, opt.ignore_index)
         h_v = _rows_or_all(h_full, vrows)
-        t_v = _rows_or_all(targets, vrows) - opt.vocab_start
-        t_v = torch.where((t_v >= 0) & (t_v < opt.n_valid), t_v, torch.full_like(t_v, -1))
+        t_v = local_targets(_rows_or_all(targets, vrows), opt.vocab_start, opt.n_valid)
         lse_l, tgt_l = shard_forward(h_v, weight, t_v, opt.n_valid, opt.softcap, opt.backend)
         lse, tgt = vocab.merge_shard_stats(lse_l.float(), tgt_l.float(), group)
         loss_v = lse - tgt
         if opt.z_loss:
             loss_v = loss_v + opt.z_loss * lse * lse
-        if vrows is None:
-            loss = loss_v
-        else:
-            loss = torch.zeros(n, dtype=torch.float32, device=targets.device).index_copy_(0, vrows, loss_v)
-        lse_full = lse if vrows is None else torch.zeros(n, device=lse.device).index_copy_(0, vrows, lse)
+        loss, lse_full = rows_to_all(loss_v, vrows, n), rows_to_all(lse, vrows, n)
         ctx.save_for_backward(h_full, weight, targets, lse_full, keep_idx, valid)
         ctx.group, ctx.opt, ctx.n_local, ctx.h_shape = group, opt, hidden.shape[0], h_shape
         # ``keep_idx`` may instead be a holder whose ``meta`` the trainer fills after selection.
@@ -496,12 +510,11 @@ class VocabParallelCCE(torch.autograd.Function):
             mask &= valid
             rows = mask.nonzero().squeeze(1)
         else:
-            rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+            rows = valid_rows(targets, opt.ignore_index)
         g = _rows_or_all(grad.float(), rows)
         lse_r = _rows_or_all(lse, rows)
         gs = g * (1 + 2 * opt.z_loss * lse_r) if opt.z_loss else g
-        t_r = _rows_or_all(targets, rows) - opt.vocab_start
-        t_r = torch.where((t_r >= 0) & (t_r < opt.n_valid), t_r, torch.full_like(t_r, -1))
+        t_r = local_targets(_rows_or_all(targets, rows), opt.vocab_start, opt.n_valid)
         h_r = _rows_or_all(h_full, rows)
         perm = vocab_order(h_r, weight, opt.n_valid) if opt.sort_vocab and opt.filter_eps is not None else None
         d_e, d_c = shard_backward(

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from megasparse.loss import shard_backward, shard_forward, vocab_order
+from megasparse.loss.cce import local_targets, rows_to_all, valid_rows
 from megasparse.loss.config import LossConfig
 from megasparse.ops.compact import CompactGrad
 from megasparse.parallel import comm, rows, state
@@ -84,21 +85,15 @@ class _Slice:
         self.backend = "torch" if cfg.impl == "torch" else cfg.backend
         self.filter_eps = cfg.filter_eps if cfg.impl == "cce" else None
 
-    def _local_targets(self, targets: Tensor) -> Tensor:
-        t = targets - self.start
-        return torch.where((t >= 0) & (t < self.n_valid), t, torch.full_like(t, -1))
-
-    def _valid_rows(self, targets: Tensor) -> Tensor | None:
-        """Rows whose target is not ignore_index (None: all). Every rank builds the same targets, so every rank
-        drops the same rows before the kernels and the collectives carry valid rows only."""
-        valid = targets != self.ignore_index
-        return None if bool(valid.all()) else valid.nonzero().squeeze(1)
-
     def forward(self, h: Tensor, w: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """Merged per-token (lse, target logit) over every slice, identical on every rank (0 on ignored rows)."""
-        rows = self._valid_rows(targets)
+        """Merged per-token (lse, target logit) over every slice, identical on every rank (0 on ignored rows).
+
+        Every rank builds the same targets, so every rank drops the same ignored rows before its kernels and
+        the collectives carry valid rows only."""
+        rows = valid_rows(targets, self.ignore_index)
         hv, tv = (h, targets) if rows is None else (h.index_select(0, rows), targets.index_select(0, rows))
-        lse_l, tgt_l = shard_forward(hv, w, self._local_targets(tv), self.n_valid, self.cfg.softcap, self.backend)
+        tv = local_targets(tv, self.start, self.n_valid)
+        lse_l, tgt_l = shard_forward(hv, w, tv, self.n_valid, self.cfg.softcap, self.backend)
         FLOPS["forward"] += 2 * hv.shape[0] * self.n_valid * h.shape[1]
         group = state.mp_group()
         parts = torch.stack([lse_l.float(), tgt_l.float()])
@@ -108,27 +103,23 @@ class _Slice:
         else:
             parts = parts.unsqueeze(0)
         lse, tgt = torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(0)
-        if rows is None:
-            return lse, tgt
-        full = torch.zeros(2, h.shape[0], dtype=lse.dtype, device=lse.device)
-        return full[0].index_copy_(0, rows, lse), full[1].index_copy_(0, rows, tgt)
+        return rows_to_all(lse, rows, h.shape[0]), rows_to_all(tgt, rows, h.shape[0])
 
     def backward(self, h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """(dE summed over every slice [n, h], this slice's dC) for per-token loss gradient ``g``."""
         n = h.shape[0]
-        rows = self._valid_rows(targets)
+        rows = valid_rows(targets, self.ignore_index)
         if rows is not None:
             h, targets, lse, g = (t.index_select(0, rows) for t in (h, targets, lse, g))
         z = self.cfg.z_loss
         gs = g * (1 + 2 * z * lse) if z else g
         perm = vocab_order(h, w, self.n_valid) if self.cfg.sort_vocab and self.filter_eps is not None else None
-        d_e, d_c = shard_backward(h, w, self._local_targets(targets), lse, gs, g, self.n_valid, self.cfg.softcap,
-                                  self.filter_eps, perm, self.cfg.grad_accum_fp32, self.backend)  # fmt: skip
+        t = local_targets(targets, self.start, self.n_valid)
+        d_e, d_c = shard_backward(h, w, t, lse, gs, g, self.n_valid, self.cfg.softcap, self.filter_eps, perm,
+                                  self.cfg.grad_accum_fp32, self.backend)  # fmt: skip
         FLOPS["backward"] += 4 * h.shape[0] * self.n_valid * h.shape[1]
         comm.all_reduce(d_e, state.mp_group(), "mp", region=REGION)
-        if rows is not None:
-            d_e = torch.zeros(n, d_e.shape[1], dtype=d_e.dtype, device=d_e.device).index_copy_(0, rows, d_e)
-        return d_e, d_c
+        return rows_to_all(d_e, rows, n), d_c
 
 
 def _broadcast_from_last(t: Tensor) -> None:
