@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megasparse.loss.cce import CCEOptions
+from megasparse.loss.cce import CCEOptions, local_targets
 from megasparse.parallel import comm, vocab
 
 
@@ -30,9 +30,9 @@ def _logits(x: Tensor, w: Tensor, opt: CCEOptions) -> tuple[Tensor, Tensor | Non
 
 
 def _local_targets(targets: Tensor, opt: CCEOptions) -> tuple[Tensor, Tensor]:
-    t = targets - opt.vocab_start
-    inside = (t >= 0) & (t < opt.n_valid)
-    return torch.where(inside, t, torch.zeros_like(t)), inside
+    """(column in this shard, clamped to 0 where the target is elsewhere; whether it is in this shard)."""
+    t = local_targets(targets, opt.vocab_start, opt.n_valid)
+    return t.clamp(min=0), t >= 0
 
 
 class MaterializedCE(torch.autograd.Function):
