@@ -138,6 +138,12 @@ class Trainer:
         self.reference = self._build_reference() if f.mode != "off" and f.scorer == "excess" else None
         kept = (lambda: self.kept_rows) if self.collider else None
         spec = P2PSpec(self.act_shape, self.compute_dtype, self.device, kept, cfg.train.micro_batch_size)
+        if self.collider:  # what the selection fixes by shape: lets receivers post compact rows without waiting
+            from megasparse.filtering.selection import select_tokens
+
+            probe = select_tokens(torch.zeros(m.seq_length, cfg.train.micro_batch_size), f.keep_ratio,
+                                  f.granularity, sp_size=self.sp_size)  # fmt: skip
+            spec.seq_count, spec.shards = probe.seq_count, probe.shards
         self.vocab_peer = None  # loss.vocab_over_pp on a non-last stage: its slice of every micro-batch's loss
         if self.model.vocab_pp and not self.lay.is_last_stage:
             self.vocab_peer = vocab_pp.VocabPPPeer(
@@ -190,14 +196,10 @@ class Trainer:
     # -- token filtering ---------------------------------------------------------------------------
     def _kept_rows(self) -> int:
         """Kept tokens per micro-batch: static, so compact P2P buffers are sized ahead (no shape exchange)."""
-        from megasparse.filtering.selection import kept_count
+        from megasparse.filtering.selection import kept_rows
 
         s, b, f = self.cfg.model.seq_length, self.cfg.train.micro_batch_size, self.cfg.filter
-        if f.granularity == "sequence":
-            return b * kept_count(s, f.keep_ratio)
-        if f.granularity == "shard":
-            return self.sp_size * kept_count(s // self.sp_size * b, f.keep_ratio)
-        return kept_count(s * b, f.keep_ratio)
+        return kept_rows(s, b, f.keep_ratio, f.granularity, self.sp_size)
 
     def _build_reference(self):
         if not self.lay.is_last_stage:
@@ -298,7 +300,7 @@ class Trainer:
                 return out.sum() / normaliser
             sel = self._select(out, tok, self.lay.dp_rank + i * self.dp)
             if self.collider:
-                keep.meta = KeepMeta(sel.idx, out.numel(), tok.shape[0])
+                keep.meta = KeepMeta(sel.idx, out.numel(), tok.shape[0], seq_count=sel.seq_count, shards=sel.shards)
             return (out * sel.loss_mask.reshape(-1)).sum() / normaliser
 
         def backward_step(i: int, out: torch.Tensor, g: torch.Tensor | None) -> None:

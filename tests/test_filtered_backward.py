@@ -12,7 +12,8 @@ from distributed import run_distributed
 from reference_model import per_token_loss
 from tiny import tiny
 
-BASE = tiny(model__num_layers=3, filter__scorer="random")
+# microbatch: the exact Rho-1 choice these references select with (the default, balanced, has its own cases)
+BASE = tiny(model__num_layers=3, filter__scorer="random", filter__granularity="microbatch")
 
 
 def grads_of(overrides: list[str]) -> dict:
@@ -87,6 +88,14 @@ def test_sequence_granularity_batched_attention_matches_reference():
     assert res["densified"] == 0
 
 
+def test_balanced_granularity_two_sequences_matches_reference():
+    """The default granularity at micro-batch 2: per-sequence metadata from one device sort (no host sync)."""
+    ov = ["filter.mode=collider", "filter.keep_ratio=0.5", "filter.granularity=balanced"]
+    res = run_distributed(grads_of, 1, ov)[0]
+    assert_close(res["grads"], reference_grads(res, "collider", 0.5, "balanced"))
+    assert res["densified"] == 0
+
+
 def test_one_sequence_per_micro_batch_matches_reference():
     """Micro-batch 1 takes the sync-free single-sequence path of the compact attention backward."""
     ov = ["filter.mode=collider", "filter.keep_ratio=0.5", "train.micro_batch_size=1"]
@@ -130,6 +139,12 @@ LAYOUTS = {
         4,
         ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "loss.vocab_over_pp=true"],
         "microbatch",
+    ),
+    # balanced (the default): static counts per (SP shard, sequence), no host sync, no padding
+    "tp2_sp_pp2_balanced": (
+        4,
+        ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "filter.granularity=balanced"],
+        "balanced",
     ),
     "tp2_sp_cce": (
         2,

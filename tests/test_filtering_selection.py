@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megasparse.configbase import ConfigError
-from megasparse.filtering.selection import kept_count, score_tokens, select_tokens
+from megasparse.filtering.selection import kept_count, kept_rows, score_tokens, select_tokens
 
 
 def _reference(scores: torch.Tensor, valid: torch.Tensor, ratio: float, granularity: str, sp: int) -> list[int]:
@@ -21,6 +21,13 @@ def _reference(scores: torch.Tensor, valid: torch.Tensor, ratio: float, granular
         groups = [flat]
     elif granularity == "sequence":
         groups = [[f for f in flat if f[0] % b == j] for j in range(b)]
+    elif granularity == "balanced":
+        rows = s // sp
+        groups = [
+            [f for f in flat if f[0] % b == j and r * rows <= f[0] // b < (r + 1) * rows]
+            for r in range(sp)
+            for j in range(b)
+        ]
     else:
         rows = s // sp
         groups = [[f for f in flat if g * rows <= f[0] // b < (g + 1) * rows] for g in range(sp)]
@@ -32,7 +39,7 @@ def _reference(scores: torch.Tensor, valid: torch.Tensor, ratio: float, granular
     return sorted(kept)
 
 
-@pytest.mark.parametrize("granularity", ["microbatch", "sequence", "shard"])
+@pytest.mark.parametrize("granularity", ["microbatch", "sequence", "shard", "balanced"])
 @pytest.mark.parametrize("shape,ratio", [((12, 3), 0.6), ((8, 1), 0.3), ((20, 5), 0.55), ((6, 2), 1.0)])
 def test_matches_bruteforce_and_counts(granularity: str, shape: tuple[int, int], ratio: float) -> None:
     g = torch.Generator().manual_seed(hash((granularity, shape, ratio)) % 2**31)
@@ -48,13 +55,23 @@ def test_matches_bruteforce_and_counts(granularity: str, shape: tuple[int, int],
         "microbatch": kept_count(s * b, ratio),
         "sequence": b * kept_count(s, ratio),
         "shard": sp * kept_count(s // sp * b, ratio),
+        "balanced": sp * b * kept_count(s // sp, ratio),
     }[granularity]
+    assert km.k == kept_rows(s, b, ratio, granularity, sp)
     assert km.k == expected_k == km.idx.numel() == int(km.mask.sum())
     assert torch.equal(km.mask.reshape(-1).nonzero().squeeze(1), km.idx)
     if granularity == "sequence":
         assert km.per_sequence_counts().tolist() == [kept_count(s, ratio)] * b
     if granularity == "shard":
         assert km.per_shard_counts(sp).tolist() == [kept_count(s // sp * b, ratio)] * sp
+    if granularity == "balanced":
+        assert km.per_sequence_counts().tolist() == [sp * kept_count(s // sp, ratio)] * b
+        assert km.per_shard_counts(sp).tolist() == [b * kept_count(s // sp, ratio)] * sp
+    # what the selection declares static must be what it did
+    if km.seq_count is not None:
+        assert km.per_sequence_counts().tolist() == [km.seq_count] * b
+    if km.shards > 1:
+        assert km.per_shard_counts(km.shards).tolist() == [km.k // km.shards] * km.shards
 
 
 def test_kept_count() -> None:

@@ -15,8 +15,10 @@ class FilterConfig:
     """off (dense), loss_mask (Rho-1: masked loss, dense backward), collider (backward on kept rows only)."""
     keep_ratio: float = 0.6
     """Fraction of tokens kept; k = ceil(keep_ratio · tokens) per selection group."""
-    granularity: str = "microbatch"
-    """Selection group: microbatch, sequence, or shard (per sequence-parallel shard)."""
+    granularity: str = "balanced"
+    """Selection group: balanced (each sequence's part of each SP shard: static counts everywhere, so the compact
+    backward never waits on the host; equals ``sequence`` without SP), microbatch (the exact Rho-1 top-k over
+    the micro-batch; one host sync per micro-batch when b > 1 or under SP), sequence, or shard (per SP shard)."""
     scorer: str = "excess"
     """excess (model loss − reference loss), loss (model loss only), random (ablation)."""
     reference: str = "sidecar"
@@ -31,8 +33,8 @@ class FilterConfig:
             raise ConfigError(f"filter.mode={self.mode!r}: use off, loss_mask or collider")
         if not 0.0 < self.keep_ratio <= 1.0:
             raise ConfigError(f"filter.keep_ratio={self.keep_ratio} must be in (0, 1]")
-        if self.granularity not in ("microbatch", "sequence", "shard"):
-            raise ConfigError(f"filter.granularity={self.granularity!r}: use microbatch, sequence or shard")
+        if self.granularity not in ("balanced", "microbatch", "sequence", "shard"):
+            raise ConfigError(f"filter.granularity={self.granularity!r}: use balanced, microbatch, sequence or shard")
         if self.scorer not in ("excess", "loss", "random"):
             raise ConfigError(f"filter.scorer={self.scorer!r}: use excess, loss or random")
         if self.reference not in ("sidecar", "ngram", "model"):

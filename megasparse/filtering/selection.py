@@ -19,9 +19,9 @@ import torch
 
 from megasparse.configbase import ConfigError
 
-__all__ = ["GRANULARITIES", "SCORERS", "KeepMask", "kept_count", "score_tokens", "select_tokens"]
+__all__ = ["GRANULARITIES", "SCORERS", "KeepMask", "kept_count", "kept_rows", "score_tokens", "select_tokens"]
 
-GRANULARITIES = ("microbatch", "sequence", "shard")
+GRANULARITIES = ("balanced", "microbatch", "sequence", "shard")
 SCORERS = ("excess", "loss", "random")
 
 _POS_BITS = 30  # positions inside one group must fit in 30 bits of the packed key (1 Gi tokens)
@@ -34,6 +34,12 @@ def kept_count(n: int, ratio: float) -> int:
     if n < 0:
         raise ValueError(f"group size {n} must be >= 0")
     return min(n, math.ceil(round(ratio * n, 9)))
+
+
+def kept_rows(seq: int, batch: int, keep_ratio: float, granularity: str, sp_size: int = 1) -> int:
+    """Kept tokens of one [seq, batch] micro-batch: fixed by the shape, so compact buffers are sized ahead."""
+    groups, size = _groups((seq, batch), granularity, sp_size)
+    return groups * kept_count(size, keep_ratio)
 
 
 @dataclass
@@ -53,6 +59,10 @@ class KeepMask:
     """Number of kept tokens (static: a function of the shape, the ratio and the granularity)."""
     valid: torch.Tensor
     """bool, same shape as the scores: the valid-token mask the selection was made under."""
+    seq_count: int | None = None
+    """Kept tokens of every sequence when the granularity makes them equal (static), else None."""
+    shards: int = 1
+    """SP shards that each keep exactly k / shards tokens (1: not balanced over shards)."""
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -116,13 +126,26 @@ def _groups(shape: tuple[int, ...], granularity: str, sp_size: int) -> tuple[int
         return 1, s * b
     if granularity == "sequence":
         return b, s
-    if granularity == "shard":
+    if granularity in ("shard", "balanced"):
         if sp_size < 1 or s % sp_size:
             raise ConfigError(
-                f"filter.granularity=shard: sequence length {s} must be divisible by parallel.sp size {sp_size}"
+                f"filter.granularity={granularity}: sequence length {s} must be divisible by the SP size {sp_size}"
             )
+        if granularity == "balanced":
+            return sp_size * b, s // sp_size
         return sp_size, (s // sp_size) * b
-    raise ConfigError(f"filter.granularity={granularity!r}: use microbatch, sequence or shard")
+    raise ConfigError(f"filter.granularity={granularity!r}: use balanced, microbatch, sequence or shard")
+
+
+def _static_counts(granularity: str, b: int, sp_size: int, k_group: int) -> tuple[int | None, int]:
+    """(kept per sequence or None, SP shards balanced) that a granularity fixes by shape alone."""
+    if granularity == "balanced":
+        return sp_size * k_group, sp_size
+    if granularity == "sequence":
+        return k_group, 1
+    if granularity == "shard":
+        return (sp_size * k_group if b == 1 else None), sp_size
+    return (k_group if b == 1 else None), 1
 
 
 def select_tokens(
@@ -138,8 +161,10 @@ def select_tokens(
 
     Groups: ``microbatch`` (all tokens), ``sequence`` (each column: equal counts per sequence keep attention
     backward a plain batched call), ``shard`` (each of ``sp_size`` contiguous slices of dim 0: every SP rank's
-    compacted collective has the same size). Ties go to the lower flat index. Invalid tokens (``valid`` False)
-    rank below every valid one. ``scores=None`` draws uniform random scores from ``generator`` (ablation).
+    compacted collective has the same size), ``balanced`` (each sequence's slice of each SP shard: both at once,
+    so the compact backward needs no host sync and no padding). Ties go to the lower flat index. Invalid tokens
+    (``valid`` False) rank below every valid one. ``scores=None`` draws uniform random scores from ``generator``
+    (ablation).
     """
     if scores is None:
         if valid is None:
@@ -166,6 +191,9 @@ def select_tokens(
     # Group-major views: row g holds group g's tokens in ascending flat-index order.
     if granularity == "sequence":
         gs, gv = s2.t(), v2.t()
+    elif granularity == "balanced":  # cell (shard r, sequence j) holds positions [r·S, (r+1)·S) of column j
+        cells = lambda t: t.reshape(sp_size, size, b).transpose(1, 2).reshape(n_groups, size)  # noqa: E731
+        gs, gv = cells(s2), cells(v2)
     else:
         gs, gv = s2.reshape(n_groups, size), v2.reshape(n_groups, size)
     pos = torch.arange(size, device=scores.device, dtype=torch.int64)
@@ -174,9 +202,15 @@ def select_tokens(
 
     if granularity == "sequence":
         flat = top * b + torch.arange(b, device=scores.device).unsqueeze(1)
+    elif granularity == "balanced":
+        g = torch.arange(n_groups, device=scores.device).unsqueeze(1)  # g = r·b + j
+        flat = ((g // b) * size + top) * b + g % b
     else:
         flat = top + (torch.arange(n_groups, device=scores.device) * size).unsqueeze(1)
     idx = torch.sort(flat.reshape(-1)).values
     mask = torch.zeros(s * b, dtype=torch.bool, device=scores.device)
     mask[idx] = True
-    return KeepMask(mask=mask.view(scores.shape), idx=idx, k=idx.numel(), valid=valid)
+    seq_count, shards = _static_counts(granularity, b, sp_size, k_group)
+    return KeepMask(
+        mask=mask.view(scores.shape), idx=idx, k=idx.numel(), valid=valid, seq_count=seq_count, shards=shards
+    )

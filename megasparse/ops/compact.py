@@ -22,7 +22,11 @@ DENSIFY_COUNT = {"n": 0}
 
 @dataclass(eq=False)
 class KeepMeta:
-    """Kept-row indices of one micro-batch in one layout, shared by every layer's gradient."""
+    """Kept-row indices of one micro-batch in one layout, shared by every layer's gradient.
+
+    ``seq_count`` and ``shards`` are what the selection fixed by shape alone (docs/decisions/0006): when they are
+    set, every per-sequence and per-shard split below is computed on the device with sizes the host already
+    knows, so the compact backward performs no host synchronisation."""
 
     idx: torch.Tensor
     """Flat row indices (ascending) into the [-1, h] view of the full tensor."""
@@ -30,13 +34,33 @@ class KeepMeta:
     """Rows of the full tensor (s·b)."""
     batch: int = 1
     """b of the [s, b, h] layout the rows come from (row = pos·b + seq)."""
+    seq_count: int | None = None
+    """Kept rows of every sequence when the selection makes it equal for all (None: data-dependent)."""
+    shards: int = 1
+    """The kept rows fall evenly into this many contiguous equal slices of the rows (SP shards), each holding
+    ``idx.numel() // shards``; with ``seq_count`` too, every (shard, sequence) cell holds ``seq_count // shards``."""
     _cache: dict = field(default_factory=dict)
+
+    def global_meta(self) -> KeepMeta:
+        """The TP-region (all SP shards) meta this shard's meta was split from; itself when not split."""
+        return self._cache.get("sp_global", self)
+
+    def shard_counts(self, tp: int) -> list[int] | None:
+        """Kept rows per SP shard when fixed by the selection (None: needs the indices on the host)."""
+        if self.shards == tp:
+            return [self.idx.numel() // tp] * tp
+        if tp == 1:
+            return [self.idx.numel()]
+        return None
 
     def per_sequence(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """[(seq, positions, which-compact-rows)] — computed once per micro-batch, reused by every layer."""
         if "per_seq" not in self._cache and self.batch == 1:  # one sequence: no host sync needed
             rows = torch.arange(self.idx.numel(), device=self.idx.device)
             self._cache["per_seq"] = [(0, self.idx, rows)]
+        if "per_seq" not in self._cache and self.seq_count is not None:
+            pos, sel = self._static_per_sequence()
+            self._cache["per_seq"] = [(j, pos[j], sel[j]) for j in range(self.batch)]
         if "per_seq" not in self._cache:
             out = []
             seq = self.idx % self.batch
@@ -46,13 +70,26 @@ class KeepMeta:
             self._cache["per_seq"] = out
         return self._cache["per_seq"]
 
+    def _static_per_sequence(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[b, c] positions and compact-row indices when every sequence keeps c rows: one sort, no host sync."""
+        b, c = self.batch, self.seq_count
+        # rows are pos·b + seq and ascending; grouping by sequence keeps each group's positions ascending
+        order = torch.argsort((self.idx % b) * self.num_rows + self.idx)
+        return (self.idx.index_select(0, order) // b).view(b, c), order.view(b, c)
+
     def padded_per_sequence(self) -> tuple[torch.Tensor, torch.Tensor]:
         """([b, m] kept positions, [b, m] compact-row indices), each sequence padded at the end to the longest.
 
         Padding repeats the sequence's last kept position (position 0 if it keeps none) and points at row K
-        (one past the compact rows), which callers fill with zeros and drop. Memoised per micro-batch."""
+        (one past the compact rows), which callers fill with zeros and drop. With a static ``seq_count`` there
+        is no padding and no host sync. Memoised per micro-batch."""
 
         def build():
+            if self.seq_count is not None:
+                if self.batch == 1:
+                    rows = torch.arange(self.idx.numel(), device=self.idx.device)
+                    return self.idx.view(1, -1), rows.view(1, -1)
+                return self._static_per_sequence()
             per = self.per_sequence()
             m = max(1, max(int(p.numel()) for _, p, _ in per))
             pos = torch.zeros(self.batch, m, dtype=torch.long, device=self.idx.device)

@@ -43,6 +43,11 @@ class P2PSpec:
     """Global kept-row count per micro-batch when the backward is compact (None: dense)."""
     batch: int = 1
     """b of the activation layout (for the kept-row metadata)."""
+    seq_count: int | None = None
+    """Kept rows per sequence when the selection fixes it (``KeepMeta.seq_count``)."""
+    shards: int = 1
+    """SP shards the selection balances the kept rows over (``KeepMeta.shards``): with it, a receiver knows its
+    row count before the indices arrive and posts both receives at once."""
 
 
 class StageComm:
@@ -61,29 +66,46 @@ class StageComm:
 
     def _grad_ops(self, g: torch.Tensor) -> list:
         if isinstance(g, CompactGrad):
-            meta = g.meta
-            gmeta = meta._cache.get("sp_global", meta) if self.lay.sequence_parallel else meta
+            gmeta = g.meta.global_meta() if self.lay.sequence_parallel else g.meta
             return [("send", gmeta.idx, self.prev), ("send", g.rows.contiguous(), self.prev)]
         return [("send", g.contiguous(), self.prev)]
 
-    def _recv_grad_phase1(self) -> tuple[list, torch.Tensor]:
+    def _sp(self) -> int:
+        return self.lay.tp if self.lay.sequence_parallel else 1
+
+    def _static_rows(self) -> int | None:
+        """This rank's compact row count when the selection fixes it (then no wait on the indices)."""
+        k, tp = self.spec.kept_rows(), self._sp()
+        if tp == 1 or self.spec.shards == tp:
+            return k // tp
+        return None
+
+    def _recv_grad_phase1(self) -> tuple[list, tuple]:
         if self.spec.kept_rows is None:
             buf = self._act()
-        else:
-            buf = torch.empty(self.spec.kept_rows(), dtype=torch.long, device=self.spec.device)
-        return [("recv", buf, self.next)], buf
+            return [("recv", buf, self.next)], (buf, None)
+        idx = torch.empty(self.spec.kept_rows(), dtype=torch.long, device=self.spec.device)
+        ops = [("recv", idx, self.next)]
+        n = self._static_rows()
+        rows_buf = None
+        if n is not None:  # row count known from the config: post the rows with the indices
+            rows_buf = torch.empty(n, self.spec.act_shape[-1], dtype=self.spec.dtype, device=self.spec.device)
+            ops.append(("recv", rows_buf, self.next))
+        return ops, (idx, rows_buf)
 
-    def _recv_grad_phase2(self, buf: torch.Tensor) -> torch.Tensor:
+    def _recv_grad_phase2(self, bufs: tuple) -> torch.Tensor:
+        buf, r = bufs
         if self.spec.kept_rows is None:
             return buf
         s_local, b, h = self.spec.act_shape
-        tp = self.lay.tp if self.lay.sequence_parallel else 1
-        gmeta = KeepMeta(buf, s_local * b * tp, b)
+        tp = self._sp()
+        gmeta = KeepMeta(buf, s_local * b * tp, b, seq_count=self.spec.seq_count, shards=self.spec.shards)
         meta = gmeta
         if tp > 1:
             meta, _ = rows.sp_split(gmeta, tp, self.lay.tp_rank)
-        r = torch.empty(meta.idx.numel(), h, dtype=self.spec.dtype, device=self.spec.device)
-        comm.p2p([("recv", r, self.next)], self.group)
+        if r is None:  # unbalanced shards: this rank's count comes from the indices
+            r = torch.empty(meta.idx.numel(), h, dtype=self.spec.dtype, device=self.spec.device)
+            comm.p2p([("recv", r, self.next)], self.group)
         return CompactGrad(r, meta, self.spec.act_shape)
 
     # -- the four transfers (and the two fused ones of the steady state) ------------------------

@@ -20,10 +20,15 @@ def sp_split(global_meta: KeepMeta, tp: int, tp_rank: int) -> tuple[KeepMeta, li
 
     def build():
         L = global_meta.num_rows // tp
-        counts = torch.bincount(global_meta.idx // L, minlength=tp).tolist()
+        counts = global_meta.shard_counts(tp)
+        static = counts is not None
+        if not static:  # data-dependent split: the one host sync of an unbalanced selection
+            counts = torch.bincount(global_meta.idx // L, minlength=tp).tolist()
         start = sum(counts[:tp_rank])
         local_idx = global_meta.idx[start : start + counts[tp_rank]] - tp_rank * L
-        local = KeepMeta(local_idx, L, global_meta.batch)
+        seq = global_meta.seq_count
+        local_seq = seq // tp if static and seq is not None and global_meta.shards == tp else None
+        local = KeepMeta(local_idx, L, global_meta.batch, seq_count=local_seq)
         local._cache["sp_global"] = global_meta
         return local, counts
 
