@@ -178,18 +178,14 @@ def run_all(a: argparse.Namespace, runs: list[tuple[str, int]]) -> dict[str, dic
 def grad_tokens_per_step(cfg_path: Path) -> int:
     """Tokens whose loss reaches the gradient in one optimizer step (kept tokens when filtering)."""
     from megasparse.config import load_config
-    from megasparse.filtering.selection import kept_count
+    from megasparse.filtering.selection import kept_rows
 
     cfg = load_config(str(cfg_path))
     s, b, f = cfg.model.seq_length, cfg.train.micro_batch_size, cfg.filter
-    mbs_per_step = cfg.train.global_batch_size // b  # single process: dp = 1
+    mbs_per_step = cfg.train.global_batch_size // b  # single process: dp = 1, no SP
     if f.mode == "off":
         return s * b * mbs_per_step
-    if f.granularity == "sequence":
-        return b * kept_count(s, f.keep_ratio) * mbs_per_step
-    if f.granularity == "microbatch":
-        return kept_count(s * b, f.keep_ratio) * mbs_per_step
-    raise SystemExit(f"{cfg_path}: granularity {f.granularity} needs sequence parallelism; not a single-process run")
+    return kept_rows(s, b, f.keep_ratio, f.granularity, 1) * mbs_per_step
 
 
 def collect(a: argparse.Namespace, runs: list[tuple[str, int]], status: dict[str, dict]) -> dict[str, dict]:
