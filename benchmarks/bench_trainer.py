@@ -134,8 +134,11 @@ def equivalence_check(cfg: Config, impls: list[str]) -> dict:
     return res
 
 
-def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool) -> dict:
-    """Build one implementation, warm up, time ``steps`` steps; per-rank step seconds and peak memory."""
+def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, after=None) -> dict:
+    """Build one implementation, warm up, time ``steps`` steps; per-rank step seconds and peak memory.
+
+    ``after(step)``, if given, runs once after the timed steps with the built step function; its result is
+    returned under "after" (bench_e2e counts host synchronisations that way)."""
     import mcore_anchor
 
     if impl == "megasparse":
@@ -168,11 +171,18 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool) -> 
         times.append(sec)
     mem = _peak_gib(dev)
     prof = profile_table(step, dev, f"{impl} mb={cfg.train.micro_batch_size}") if profile else ""
+    extra = after(step) if after is not None else None
     del keep, step
     _free()
     if impl == "mcore-local":
         mcore_anchor.reset_memory_buffer()
-    return {"times": times, "mem_gib": mem, "losses": [x for x in losses if x is not None], "profile": prof}
+    return {
+        "times": times,
+        "mem_gib": mem,
+        "losses": [x for x in losses if x is not None],
+        "profile": prof,
+        "after": extra,
+    }
 
 
 def summarize(

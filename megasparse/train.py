@@ -261,6 +261,8 @@ class Trainer:
     # -- batches ---------------------------------------------------------------------------------
     def _microbatches(self, ds, start: int, count: int) -> list[torch.Tensor]:
         it = _iterate(ds, self.cfg.train.micro_batch_size, self.lay.dp_rank, self.dp, start)
+        if self.device.type == "cuda":  # pinned + non-blocking: the copy does not stop the host
+            return [next(it).pin_memory().to(self.device, non_blocking=True) for _ in range(count)]
         return [next(it).to(self.device) for _ in range(count)]
 
     # -- one optimizer step ---------------------------------------------------------------------

@@ -208,8 +208,7 @@ def select_tokens(
     else:
         flat = top + (torch.arange(n_groups, device=scores.device) * size).unsqueeze(1)
     idx = torch.sort(flat.reshape(-1)).values
-    mask = torch.zeros(s * b, dtype=torch.bool, device=scores.device)
-    mask[idx] = True
+    mask = torch.zeros(s * b, dtype=torch.bool, device=scores.device).index_fill_(0, idx, True)  # no host sync
     seq_count, shards = _static_counts(granularity, b, sp_size, k_group)
     return KeepMask(
         mask=mask.view(scores.shape), idx=idx, k=idx.numel(), valid=valid, seq_count=seq_count, shards=shards

@@ -1,0 +1,260 @@
+"""The end-to-end speed matrix: megasparse with each acceleration against megatron-core dense, one call per layout.
+
+    torchrun --nproc_per_node N benchmarks/bench_e2e.py LAYOUT [--micro 1,2,4] [--modes dense,collider,...]
+        [--steps 4] [--warmup 2] [--out-dir docs/benchmarks/data] [section.key=value ...]
+    python benchmarks/bench_e2e.py --plot docs/benchmarks/data/e2e_LAYOUT.json     # the PNG, on any machine
+
+Layouts (``LAYOUTS``): ``1gpu_tinyllama`` (22 layers), ``2gpu_8b_tp2sp`` and ``4gpu_8b_tp2pp2sp`` (Llama-3-8B-shaped
+layers, 8 of them), ``4gpu_tinyllama_tp2pp2sp``. In each, for every micro-batch size: megatron-core's GPTModel with
+flash attention (``benchmarks/mcore_anchor.py``, the anchor) and megasparse in every mode of ``MODES``, same
+shapes, same global batch, same process group and call. Each case warms up, then times synchronised steps
+(median over steps, slowest rank). ``host_syncs_per_step`` counts, over one extra step, the synchronisations
+``torch.cuda.set_sync_debug_mode("warn")`` reports (values read on the host: ``.item()``, ``nonzero``, copies to
+the host); the explicit end-of-step ``torch.cuda.synchronize`` of both trainers is not among them.
+
+Filtering runs with ``filter.scorer=loss`` (no reference model on the benchmark machine: the selection and the
+compact backward cost the same with any scorer). MFU counts the dense model's FLOPs for every mode
+(``megasparse.metrics.flops_per_token``), so a faster accelerated step shows as higher MFU.
+
+Writes ``e2e_<layout>.json`` (``device``, ``layout``, ``cases``: mode, micro_batch_size, step_ms, anchor_step_ms,
+ratio_vs_anchor, ratio_vs_dense, mfu, mem_gib, host_syncs_per_step, ...) and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_trainer as bt  # noqa: E402
+
+from megasparse.config import ConfigError, load_config  # noqa: E402
+from megasparse.parallel import state  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
+    # name: (config, GPUs, overrides)
+    "1gpu_tinyllama": ("configs/gpu_1b_1gpu.yaml", 1, ["data.prefix=synthetic", "train.global_batch_size=8"]),
+    "2gpu_8b_tp2sp": ("configs/gpu_8b8l_tp2_sp.yaml", 2, []),
+    "4gpu_8b_tp2pp2sp": ("configs/gpu_8b8l_tp2_pp2_sp.yaml", 4, []),
+    "4gpu_tinyllama_tp2pp2sp": (
+        "configs/gpu_1b_tp2_pp2.yaml",
+        4,
+        ["data.prefix=synthetic", "train.global_batch_size=8"],
+    ),
+}
+_COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
+_CCE = ["loss.impl=cce"]
+_SPARSE = ["sparsity.enabled=true"]
+MODES: dict[str, list[str]] = {
+    "dense": [],
+    "cce": _CCE,
+    "collider": _COLLIDER,
+    "2:4": _SPARSE,
+    "collider+cce": _COLLIDER + _CCE,
+    "collider+2:4": _COLLIDER + _SPARSE,
+    "all three": _COLLIDER + _CCE + _SPARSE,
+}
+ANCHOR = "mcore-sdpa"
+
+
+def count_host_syncs(step) -> int:
+    """Synchronisations the CUDA sync debug mode reports during one ``step()``."""
+    if not torch.cuda.is_available():
+        return 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def run_mode(cfg, impl: str, warmup: int, steps: int) -> dict:
+    """bench_trainer's timed case plus one step with its host synchronisations counted."""
+    r = bt.run_case(cfg, impl, warmup, steps, profile=False, after=count_host_syncs)
+    r["host_syncs"] = r["after"]
+    return r
+
+
+def run(a: argparse.Namespace) -> int:
+    cfg_path, gpus, layout_ov = LAYOUTS[a.layout]
+    world = state.world_env()[1]
+    if world != gpus:
+        print(f"bench_e2e: layout {a.layout} needs {gpus} ranks (torchrun --nproc_per_node {gpus}), got {world}")
+        return 2
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"bench_e2e: unknown --modes {bad}; use {list(MODES)}", file=sys.stderr)
+        return 2
+    base_ov = layout_ov + list(a.overrides)
+    try:
+        base = load_config(str(ROOT / cfg_path), base_ov)
+        base.validate(world)
+        for m in modes:
+            load_config(str(ROOT / cfg_path), base_ov + MODES[m]).validate(world)
+    except ConfigError as e:
+        print(f"bench_e2e: error: {e}", file=sys.stderr)
+        return 2
+    p = base.parallel
+    state.init(p.tp, p.pp, p.sequence_parallel, p.backend)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = f"{world}x {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else f"{world}x cpu"
+    vocab_padded = base.padded_vocab(bt.build_data(base)[2])
+    m = base.model
+    report: dict = {
+        "device": device,
+        "layout": a.layout,
+        "config": cfg_path,
+        "overrides": base_ov,
+        "shape": f"{m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/"
+        f"{m.num_query_groups or m.num_attention_heads}, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, "
+        f"seq {m.seq_length}, tp {p.tp} pp {p.pp}{' +SP' if p.sequence_parallel else ''}, "
+        f"global batch {base.train.global_batch_size}",
+        "torch": torch.__version__,
+        "cases": [],
+    }
+    ok = True
+    for mb in [int(x) for x in a.micro.split(",")]:
+        mb_ov = [f"train.micro_batch_size={mb}"]
+        anchor_ms = None
+        dense_ms = None
+        for name in [ANCHOR] + modes:
+            impl = ANCHOR if name == ANCHOR else "megasparse"
+            cfg = load_config(str(ROOT / cfg_path), base_ov + mb_ov + ([] if name == ANCHOR else MODES[name]))
+            bt.log0(f"--- {name} micro_batch_size={mb} ---")
+            try:
+                r = run_mode(cfg, impl, a.warmup, a.steps)
+            except Exception as e:  # an OOM is itself a result; keep going
+                traceback.print_exc()
+                bt._free()
+                report["cases"].append({"mode": name, "micro_batch_size": mb, "error": f"{type(e).__name__}: {e}"})
+                ok = False
+                continue
+            times = bt.gather_floats(r["times"], dev)
+            mems = [x[0] for x in bt.gather_floats([r["mem_gib"]], dev)]
+            syncs = [x[0] for x in bt.gather_floats([float(r["host_syncs"] or 0)], dev)]
+            row = bt.summarize(cfg, impl, vocab_padded, times, mems, world)
+            if name == ANCHOR:
+                anchor_ms = row["step_ms"]
+            if name == "dense":
+                dense_ms = row["step_ms"]
+            case = {
+                "mode": name,
+                "micro_batch_size": mb,
+                "step_ms": row["step_ms"],
+                "anchor_step_ms": anchor_ms,
+                "ratio_vs_anchor": row["step_ms"] / anchor_ms if anchor_ms else None,
+                "ratio_vs_dense": row["step_ms"] / dense_ms if dense_ms else None,
+                "mfu": row["mfu"],
+                "tflops_per_gpu": row["tflops_per_gpu"],
+                "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
+                "mem_gib": row["mem_gib_max_rank"],
+                "host_syncs_per_step": max(syncs),
+                "step_ms_per_rank": row["step_ms_per_rank"],
+                "step_ms_spread": row["step_ms_spread"],
+                "losses": r["losses"],
+            }
+            ok &= all(math.isfinite(x) for x in r["losses"])
+            report["cases"].append(case)
+            bt.log0(f"{name} mb={mb}: {case['step_ms']:.1f} ms, syncs {case['host_syncs_per_step']:.0f}")
+    report["table"] = format_table(report)
+    if dist.get_rank() == 0:
+        out = Path(a.out_dir) / f"e2e_{a.layout}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(report["table"], flush=True)
+    state.destroy()
+    return 0 if ok else 1
+
+
+def format_table(report: dict) -> str:
+    head = (
+        f"{'mode':<14} {'mb':>3} {'step ms':>9} {'vs mcore':>9} {'vs dense':>9} {'MFU':>6} {'mem GiB':>8} {'syncs':>6}"
+    )
+    lines = [f"e2e | {report['device']} | {report['layout']}: {report['shape']}", head, "-" * len(head)]
+    for c in report["cases"]:
+        if "error" in c:
+            lines.append(f"{c['mode']:<14} {c['micro_batch_size']:>3} {c['error'][:90]}")
+            continue
+
+        def f(x, spec):
+            return format(x, spec) if x is not None else f"{'-':>{spec.split('.')[0]}}"
+
+        mfu = f"{100 * c['mfu']:5.1f}%" if c["mfu"] is not None else f"{'-':>6}"
+        lines.append(
+            f"{c['mode']:<14} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {f(c['ratio_vs_anchor'], '9.3f')} "
+            f"{f(c['ratio_vs_dense'], '9.3f')} {mfu} {c['mem_gib']:8.2f} {c['host_syncs_per_step']:6.0f}"
+        )
+    lines.append(f"vs mcore: step time / megatron-core dense ({ANCHOR}) at the same micro-batch (< 1: faster)")
+    return "\n".join(lines)
+
+
+def plot(json_path: str, out_png: str | None = None) -> str:
+    """Bars of step time relative to megatron-core, per mode, one group per micro-batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rep = json.loads(Path(json_path).read_text())
+    cases = [c for c in rep["cases"] if "error" not in c and c["mode"] != ANCHOR]
+    mbs = sorted({c["micro_batch_size"] for c in cases})
+    modes = [m for m in MODES if any(c["mode"] == m for c in cases)]
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(modes) * len(mbs) / 2, 3.6))
+    width = 0.8 / max(1, len(mbs))
+    for i, mb in enumerate(mbs):
+        at = {c["mode"]: c["ratio_vs_anchor"] or 0 for c in cases if c["micro_batch_size"] == mb}
+        ys = [at.get(m, 0) for m in modes]
+        ax.bar([x + i * width for x in range(len(modes))], ys, width, label=f"micro-batch {mb}")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks([x + width * (len(mbs) - 1) / 2 for x in range(len(modes))], modes, rotation=20)
+    ax.set_ylabel("step time / megatron-core dense")
+    ax.set_title(f"{rep['layout']} — {rep['device']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = out_png or str(ROOT / "docs" / "img" / f"e2e_{rep['layout']}.png")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("layout", nargs="?", choices=list(LAYOUTS))
+    p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every case")
+    p.add_argument("--micro", default="1,2")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))
+    p.add_argument("--plot", default=None, help="only plot this JSON to docs/img/e2e_<layout>.png")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if a.plot:
+        print(plot(a.plot))
+        return 0
+    if a.layout is None:
+        print(f"bench_e2e: name a layout: {list(LAYOUTS)}", file=sys.stderr)
+        return 2
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
