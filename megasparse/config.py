@@ -45,6 +45,9 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda if available), cuda or cpu."""
     deterministic: bool = False
+    cuda_graphs: bool = True
+    """Capture one micro-batch's forward, selection and backward in a CUDA graph and replay it (single-stage CUDA
+    runs whose step reads nothing on the host: megasparse/cudagraph.py says which); otherwise run eagerly."""
 
 
 @dataclass

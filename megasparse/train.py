@@ -161,6 +161,10 @@ class Trainer:
         self.flops_tok = flops_per_token(m, self.vocab_padded)
         self.peak = peak_tflops(self.device)
         self.out_dir = Path(cfg.logging.out_dir)
+        from megasparse.cudagraph import capture_blocker
+
+        self.graph = None  # the captured micro-batch (megasparse/cudagraph.py), built on the first step
+        self.graph_blocker = capture_blocker(cfg, self.lay.pp, self.device)
 
     def _embedding_rows(self) -> list[int] | None:
         """Input-embedding rows per stage under vocab_over_pp: the planner's memory-balancing split (or the
@@ -289,8 +293,8 @@ class Trainer:
             if inputs is not None and train:
                 inputs = [catch_grad(x, c) for x, c in zip(inputs, caught)]
 
-        def forward_step(i: int, x: torch.Tensor | None) -> torch.Tensor:
-            tok = batches[i]
+        def forward_step(i: int, x: torch.Tensor | None, tok: torch.Tensor | None = None) -> torch.Tensor:
+            tok = batches[i] if tok is None else tok
             ids = tok[:, :-1].t().contiguous() if inputs is None else inputs[i]
             targets = tok[:, 1:].t().reshape(-1)
             keep = KeepHolder()
@@ -311,7 +315,10 @@ class Trainer:
             else:
                 torch.autograd.backward(out, g)
 
-        if train and self.model.vocab_pp:  # the output layer's slices meet once per micro-batch: lock step
+        captured = train and self.graph_blocker is None  # one captured micro-batch, replayed (megasparse/cudagraph.py)
+        if captured and self._replay(batches, lambda tok: backward_step(0, forward_step(0, None, tok), None), acc):
+            pass
+        elif train and self.model.vocab_pp:  # the output layer's slices meet once per micro-batch: lock step
             peer = self.vocab_peer
             slot = None if peer is None else lambda k: peer.step(batches[k][:, 1:].t().reshape(-1), train=True)
             lockstep(len(batches), self.p2p, forward_step, backward_step, slot)
@@ -329,6 +336,33 @@ class Trainer:
                     if self.vocab_peer is not None:
                         self.vocab_peer.step(batches[i][:, 1:].t().reshape(-1), train=False)
         return acc["loss"], tokens_per_mb * len(batches)
+
+    def _replay(self, batches: list[torch.Tensor], run_one, acc: dict) -> bool:
+        from megasparse.cudagraph import MicrobatchGraph
+
+        if self.graph is None:
+            acc_t = torch.zeros((), dtype=torch.float64, device=self.device)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+
+            def run_static(tok: torch.Tensor) -> None:
+                acc["loss"] = acc_t
+                run_one(tok)
+
+            try:
+                self.graph = MicrobatchGraph(run_static, batches[0], params, acc_t)
+            except Exception as e:  # noqa: BLE001 - an uncapturable op: say so once and stay eager
+                self.graph_blocker = f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                log0(f"cuda graphs off: {self.graph_blocker}")
+                self.optimizer.zero_grad(set_to_none=True)
+                acc["loss"] = torch.zeros((), dtype=torch.float64, device=self.device)
+                return False
+            log0(f"cuda graphs: one micro-batch captured, replayed {len(batches)}x per step")
+        else:
+            self.graph.zero()
+        for tok in batches:
+            self.graph.replay(tok)
+        acc["loss"] = self.graph.loss_acc
+        return True
 
     def _global_mean(self, loss_sum: torch.Tensor, tokens: int) -> float:
         """Mean loss over every DP rank's tokens, known on every rank (sent from the last stage)."""
@@ -372,7 +406,7 @@ class Trainer:
 
     def compute_gradients(self) -> tuple[torch.Tensor, int]:
         """Forward + backward of this step's global batch; leaves fully reduced gradients in ``.grad``."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graph is None)  # a captured backward owns its .grad tensors
         batches = self._microbatches(self.train_ds, self.consumed, self.num_mb)
         loss_sum, tokens = self._forward_backward(batches, train=True)
         self._reduce_grads()
@@ -455,6 +489,8 @@ class Trainer:
             f"{' +SP' if cfg.parallel.sequence_parallel else ''} | {self.num_mb} micro-batches/step | "
             f"{self.device.type} {str(self.compute_dtype).replace('torch.', '')}"
         )
+        if self.device.type == "cuda" and self.graph_blocker is not None:
+            log0(f"cuda graphs off: {self.graph_blocker}")
         history = []
         while self.step < cfg.train.steps:
             r = self.train_step()

@@ -64,10 +64,11 @@ if triton is not None:
         m = cols < h
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK], dtype=tl.float32)
-        start = pid * rows_per
-        end = tl.minimum(start + rows_per, n)
-        for r in range(start, end):
-            row = tl.cast(r, tl.int64)
+        for i in range(0, rows_per):
+            # past the end, the last row is recomputed (the same dx stored again) and kept out of dw
+            r = pid * rows_per + i
+            live = (r < n).to(tl.float32)
+            row = tl.minimum(r, n - 1).to(tl.int64)
             x = tl.load(x_ptr + row * h + cols, mask=m, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + row * h + cols, mask=m, other=0.0).to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / h + eps)
@@ -75,7 +76,7 @@ if triton is not None:
             gw = g * w
             dx = rstd * (gw - xhat * (tl.sum(gw * xhat, axis=0) / h))
             tl.store(dx_ptr + row * h + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
-            dw += g * xhat
+            dw += g * xhat * live
         tl.store(dw_ptr + pid * h + cols, dw, mask=m)
 
 
