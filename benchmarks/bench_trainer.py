@@ -172,6 +172,8 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
     mem = _peak_gib(dev)
     prof = profile_table(step, dev, f"{impl} mb={cfg.train.micro_batch_size}") if profile else ""
     extra = after(step) if after is not None else None
+    if getattr(keep, "graph", None) is not None:  # a captured step's memory pool outlives the trainer otherwise
+        keep.graph.release()
     del keep, step
     _free()
     if impl == "mcore-local":

@@ -78,6 +78,10 @@ class MicrobatchGraph:
         torch._foreach_zero_([p.grad for p in self.params])
         self.loss_acc.zero_()
 
+    def release(self) -> None:
+        """Give the graph's private memory pool back (a trainer that is dropped while others run)."""
+        self.graph.reset()
+
     def replay(self, tokens: torch.Tensor) -> None:
         self.tokens.copy_(tokens, non_blocking=True)
         self.graph.replay()
