@@ -163,6 +163,7 @@ class Trainer:
         self.out_dir = Path(cfg.logging.out_dir)
         from megasparse.cudagraph import capture_blocker
 
+        self.selection_observer = None  # optional callback(tokens, KeepMask) after each selection (studies)
         self.graph = None  # the captured micro-batch (megasparse/cudagraph.py), built on the first step
         self.graph_blocker = capture_blocker(cfg, self.lay.pp, self.device)
 
@@ -260,7 +261,10 @@ class Trainer:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(self.cfg.train.seed * 1_000_003 + self.step * 10_007 + mb_index)
         scores = score_tokens(f.scorer, loss2d, ref, generator=gen)
-        return select_tokens(scores, f.keep_ratio, f.granularity, sp_size=self.sp_size)
+        sel = select_tokens(scores, f.keep_ratio, f.granularity, sp_size=self.sp_size)
+        if self.selection_observer is not None:  # studies: which tokens were kept (tokens [b, s+1], KeepMask)
+            self.selection_observer(tok, sel)
+        return sel
 
     # -- batches ---------------------------------------------------------------------------------
     def _microbatches(self, ds, start: int, count: int) -> list[torch.Tensor]:
