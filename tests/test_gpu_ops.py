@@ -75,6 +75,15 @@ def test_attention_dense_bf16():
     assert rel(out, ref) < 2e-2 and rel(dq, dref) < 2e-2
 
 
+def test_attention_uses_cudnn_on_hopper():
+    """The fast kernel is really the one that ran (a silent fall-back to flash costs ~10% of a step)."""
+    from megasparse.ops import attention as attn
+
+    test_attention_dense_bf16()
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert attn._CUDNN["ok"]
+
+
 @pytest.mark.parametrize("keep_fraction", [0.6, 1.0])
 def test_attention_compact_backward_uneven_sequences_matches_cpu(keep_fraction):
     """The padded batched compact backward on CUDA (bf16 flash) against the same op on CPU in fp32."""

@@ -1,8 +1,9 @@
 """Causal self-attention core (RoPE + GQA + flash attention) with a filter-aware backward.
 
 Input is the column-parallel QKV projection [s, b, (nq + 2·nkv)·d] of this TP rank's heads,
-laid out [q heads | k heads | v heads]; output [s, b, nq·d]. Forward runs the fused flash kernel
-(CUDA flash or the CPU flash kernel) and keeps its output and log-sum-exp. A dense gradient
+laid out [q heads | k heads | v heads]; output [s, b, nq·d]. Forward runs a fused kernel (cuDNN
+attention on CUDA, flash if cuDNN is unavailable, the CPU flash kernel on CPU) and keeps its output
+and log-sum-exp. A dense gradient
 gets the kernel's own backward. A ``CompactGrad`` (token filtering, Collider semantics) gets, per
 sequence, the same backward kernel on the kept queries/keys/values only, with the forward's
 output and log-sum-exp rows of the kept queries: gradients flow only among kept tokens, and RoPE
@@ -30,26 +31,55 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+_CUDNN = {"ok": True}
+"""cuDNN attention is used on CUDA (bf16/fp16) until a call of it fails; then flash attention, with one warning."""
+
+
+def _cudnn_off(e: Exception) -> None:
+    import warnings
+
+    _CUDNN["ok"] = False
+    warnings.warn(f"megasparse: cuDNN attention unavailable ({type(e).__name__}: {e}); using flash", stacklevel=3)
+
+
 def _flash_fwd(q, k, v, scale):
+    """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward)."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"]:
+        # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007)
+        try:
+            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+            return r[0], r[1].view(r[1].shape[:3]), ("cudnn", r[6], r[7])
+        except RuntimeError as e:
+            _cudnn_off(e)
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
-        return r[0], r[1], (r[6], r[7])
+        return r[0], r[1], ("flash", r[6], r[7])
     if q.is_cuda:  # fp32 on GPU: efficient-attention path
         r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)
-        return r[0], r[1], (r[2], r[3])
+        return r[0], r[1], ("efficient", r[2], r[3])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
     return out, lse, None
 
 
 def _flash_bwd(g, q, k, v, out, lse, rng, scale):
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        s_q, s_k = q.shape[2], k.shape[2]
+    """dq, dk, dv of causal attention on whatever rows are given (all, or the kept ones with their lse rows)."""
+    s_q, s_k = q.shape[2], k.shape[2]
+    if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"]:
+        if g.stride() != out.stride():  # cuDNN wants dO laid out like O
+            g = torch.empty_like(out).copy_(g)
+        try:
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], None, None, None, s_q, s_k, 0.0, True, scale=scale
+            )[:3]
+        except RuntimeError as e:  # flash's backward takes cuDNN's out and lse as they are
+            _cudnn_off(e)
+    if rng is not None and rng[0] in ("flash", "cudnn"):
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, True, rng[0], rng[1], scale=scale
+            g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, True, rng[1], rng[2], scale=scale
         )
-    if q.is_cuda:
+    if rng is not None:
         return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, None, out, lse, rng[0], rng[1], 0.0, [True, True, True, False], True, scale=scale
+            g, q, k, v, None, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], True, scale=scale
         )[:3]
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         g, q, k, v, out, lse, 0.0, True, scale=scale
