@@ -171,9 +171,15 @@ def run(a: argparse.Namespace) -> int:
             ok &= all(math.isfinite(x) for x in r["losses"])
             report["cases"].append(case)
             bt.log0(f"{name} mb={mb}: {case['step_ms']:.1f} ms, syncs {case['host_syncs_per_step']:.0f}")
+    out = Path(a.out_dir) / f"e2e_{a.layout}.json"
+    if a.append and out.exists():  # another micro-batch size measured in its own process (memory is clean there)
+        old = json.loads(out.read_text())
+        if old.get("device") == device:
+            mine = {(c["mode"], c["micro_batch_size"]) for c in report["cases"]}
+            kept = [c for c in old["cases"] if (c["mode"], c["micro_batch_size"]) not in mine]
+            report["cases"] = sorted(kept + report["cases"], key=lambda c: c["micro_batch_size"])
     report["table"] = format_table(report)
     if dist.get_rank() == 0:
-        out = Path(a.out_dir) / f"e2e_{a.layout}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
         print(report["table"], flush=True)
@@ -241,6 +247,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))
+    p.add_argument("--append", action="store_true", help="merge into an existing JSON of this layout and device")
     p.add_argument("--plot", default=None, help="only plot this JSON to docs/img/e2e_<layout>.png")
     return p.parse_args(argv)
 

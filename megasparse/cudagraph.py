@@ -11,6 +11,10 @@ per-token loss summed into a static accumulator → selection → the backward, 
 captured on the first training step after a few eager warm-up passes on a side stream (they compile kernels and
 pick GEMM algorithms; their effects are zeroed), and replayed once per micro-batch of every step.
 
+2:4 sparse FFNs: before each step's replays every sparse GEMM brings its operands up to date in place on the
+host (``Sparse24Gemm.prepare_replay``); a mask refresh or the switch to dense fine-tuning changes the buffers the
+GEMMs read, and the graph is captured again (every ``sparsity.refresh_interval`` steps).
+
 Where it is not exact or not capturable, ``capture_blocker`` names why, and the trainer runs eagerly and logs it.
 """
 
@@ -36,8 +40,8 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
         return f"filter.reference={f.reference} looks reference losses up on the host"
     if f.mode != "off" and f.scorer == "excess":
         return "filter.reference=model runs a second model per micro-batch"
-    if cfg.sparsity.enabled:
-        return "2:4 sparsity rebuilds its sparse operands on the host once per optimizer step"
+    if cfg.sparsity.enabled and cfg.sparsity.mvue:
+        return "sparsity.mvue draws its random seeds on the host"
     if cfg.loss.impl == "cce":
         return "loss.impl=cce checks its targets on the host"
     if cfg.loss.vocab_over_pp:

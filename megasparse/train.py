@@ -165,6 +165,8 @@ class Trainer:
 
         self.selection_observer = None  # optional callback(tokens, KeepMask) after each selection (studies)
         self.graph = None  # the captured micro-batch (megasparse/cudagraph.py), built on the first step
+        self.graph_key: tuple = ()  # what the captured GEMMs read (2:4 operands); a change means capture again
+        self.recaptures: list[int] = []
         self.graph_blocker = capture_blocker(cfg, self.lay.pp, self.device)
 
     def _embedding_rows(self) -> list[int] | None:
@@ -344,6 +346,16 @@ class Trainer:
     def _replay(self, batches: list[torch.Tensor], run_one, acc: dict) -> bool:
         from megasparse.cudagraph import MicrobatchGraph
 
+        key = tuple(g.prepare_replay() for g in self._sparse_gemms())  # 2:4 operands updated in place
+        if self.graph is not None and key != self.graph_key:  # new masks or dense fine-tuning: capture again
+            self.graph.release()
+            self.graph = None
+            self.recaptures.append(self.step)
+            if len(self.recaptures) >= 3 and self.recaptures[-1] - self.recaptures[-3] <= 2:
+                self.graph_blocker = "2:4 operands are rebuilt every step (in-place value refresh unverified)"
+                log0(f"cuda graphs off: {self.graph_blocker}")
+                return False
+        self.graph_key = key
         if self.graph is None:
             acc_t = torch.zeros((), dtype=torch.float64, device=self.device)
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -367,6 +379,11 @@ class Trainer:
             self.graph.replay(tok)
         acc["loss"] = self.graph.loss_acc
         return True
+
+    def _sparse_gemms(self) -> list:
+        from megasparse.sparse24.gemm import Sparse24Gemm
+
+        return [m.gemm for m in self.model.modules() if isinstance(getattr(m, "gemm", None), Sparse24Gemm)]
 
     def _global_mean(self, loss_sum: torch.Tensor, tokens: int) -> float:
         """Mean loss over every DP rank's tokens, known on every rank (sent from the last stage)."""

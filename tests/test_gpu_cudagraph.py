@@ -32,12 +32,19 @@ def _losses(overrides: list[str], steps: int = 4) -> tuple[list[float], list[flo
     return [r.loss for r in res], [r.grad_norm for r in res], tr.graph is not None
 
 
-@pytest.mark.parametrize("mode", ["dense", "collider"])
+@pytest.mark.parametrize("mode", ["dense", "collider", "2:4"])
 @pytest.mark.parametrize("micro", [1, 2])
 def test_captured_step_equals_eager(one_rank, mode: str, micro: int) -> None:
     ov = [f"train.micro_batch_size={micro}"]
     if mode == "collider":
         ov += ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
+    if mode == "2:4":  # masks refreshed every 2 steps: the graph is captured again with the new operands
+        ov += [
+            "sparsity.enabled=true",
+            "sparsity.refresh_interval=2",
+            "model.hidden_size=128",
+            "model.ffn_hidden_size=256",
+        ]
     eager_l, eager_g, used = _losses(ov + ["train.cuda_graphs=false"])
     assert not used
     graph_l, graph_g, used = _losses(ov + ["train.cuda_graphs=true"])

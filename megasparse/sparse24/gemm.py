@@ -32,8 +32,11 @@ class Sparse24Gemm:
             return None, None
         if self.param.dtype == self.dtype:
             return st, self.param
-        if self._w is None or self._ver != self.param._version:
+        if self._w is None:
             self._w = self.param.detach().to(self.dtype)
+            self._ver = self.param._version
+        elif self._ver != self.param._version:
+            self._w.copy_(self.param.detach())  # in place: a captured step keeps reading this buffer
             self._ver = self.param._version
         mask = self.manager.masks[self.name]
         if self._state is None:
@@ -42,6 +45,15 @@ class Sparse24Gemm:
             self._state.set_mask(mask)
         self._mask = mask
         return self._state, self._w
+
+    def prepare_replay(self) -> tuple:
+        """Bring the operands up to date on the host, as a forward would (a replayed CUDA graph runs none of this
+        code), and name the buffers the GEMMs read: when the key changes, the graph must be captured again."""
+        st, wt = self._operands()
+        if st is None:
+            return (self.name, None)
+        st.refresh(wt)
+        return (self.name, st.mask_version, id(st.packed), id(st.packed_t), id(st._masked), id(wt))
 
     def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         st, wt = self._operands()

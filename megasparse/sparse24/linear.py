@@ -254,7 +254,11 @@ class Sparse24Weight:
         if not force and self._built_from == stamp:
             return
         self._w = weight.detach()
-        self._masked = None  # built on demand: only the masked-dense path needs it
+        if self._masked is not None and self._masked.shape == self._w.shape:
+            # in place: a captured step (megasparse/cudagraph.py) keeps reading this buffer
+            torch.mul(self._w, self.mask, out=self._masked)
+        else:
+            self._masked = None  # built on demand: only the masked-dense path needs it
         if self.can_sparse:
             self._refresh_sparse(self._w)
         self._built_from = stamp

@@ -1,0 +1,51 @@
+"""bench_e2e without a GPU: its modes are valid configs for every layout, the table and the plot read a report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+
+def test_every_mode_of_every_layout_is_a_valid_config() -> None:
+    import bench_e2e as be
+
+    from megasparse.config import load_config
+
+    for name, (cfg_path, gpus, ov) in be.LAYOUTS.items():
+        for mode, extra in be.MODES.items():
+            cfg = load_config(str(be.ROOT / cfg_path), ov + extra + ["train.micro_batch_size=2"])
+            cfg.validate(gpus)
+            assert cfg.model.seq_length == 4096, name
+            if "collider" in mode:
+                assert cfg.filter.mode == "collider" and cfg.filter.keep_ratio == 0.6
+
+
+def test_table_and_plot_from_a_report(tmp_path) -> None:
+    import json
+
+    import bench_e2e as be
+
+    cases = []
+    for mb in (1, 2):
+        cases.append({"mode": be.ANCHOR, "micro_batch_size": mb, "step_ms": 100.0, "anchor_step_ms": 100.0,
+                      "ratio_vs_anchor": 1.0, "ratio_vs_dense": None, "mfu": 0.4, "mem_gib": 10.0,
+                      "host_syncs_per_step": 100})  # fmt: skip
+        for i, mode in enumerate(be.MODES):
+            ms = 90.0 - i
+            cases.append({"mode": mode, "micro_batch_size": mb, "step_ms": ms, "anchor_step_ms": 100.0,
+                          "ratio_vs_anchor": ms / 100, "ratio_vs_dense": ms / 90, "mfu": 0.5, "mem_gib": 9.0,
+                          "host_syncs_per_step": 3})  # fmt: skip
+    cases.append({"mode": "2:4", "micro_batch_size": 4, "error": "OutOfMemoryError: ..."})
+    rep = {"device": "1x test", "layout": "1gpu_tinyllama", "shape": "tiny", "cases": cases}
+    table = be.format_table(rep)
+    assert table.splitlines()[-1].startswith("vs mcore")
+    assert "0.900" in table and "OutOfMemoryError" in table
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(rep))
+    png = be.plot(str(path), str(tmp_path / "e2e.png"))
+    assert Path(png).stat().st_size > 1000
