@@ -19,7 +19,7 @@ import torch
 
 from megasparse.configbase import ConfigError
 
-__all__ = ["GRANULARITIES", "SCORERS", "KeepMask", "kept_count", "score_tokens", "select_tokens"]
+__all__ = ["GRANULARITIES", "SCORERS", "KeepMask", "kept_count", "kept_total", "score_tokens", "select_tokens"]
 
 GRANULARITIES = ("microbatch", "sequence", "shard")
 SCORERS = ("excess", "loss", "random")
@@ -123,6 +123,12 @@ def _groups(shape: tuple[int, ...], granularity: str, sp_size: int) -> tuple[int
             )
         return sp_size, (s // sp_size) * b
     raise ConfigError(f"filter.granularity={granularity!r}: use microbatch, sequence or shard")
+
+
+def kept_total(shape: tuple[int, int], keep_ratio: float, granularity: str, sp_size: int = 1) -> int:
+    """Tokens :func:`select_tokens` keeps in a [s, b] micro-batch: fixed by the shape, so buffers are sized ahead."""
+    n_groups, size = _groups(shape, granularity, sp_size)
+    return n_groups * kept_count(size, keep_ratio)
 
 
 def select_tokens(
