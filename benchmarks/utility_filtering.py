@@ -419,10 +419,10 @@ def grad_check(a: argparse.Namespace) -> list[dict]:
     tr = trainer("loss_mask")  # the explicit reference: plain autograd through the masked, kept-normalised loss
     tr.optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for i, tok in enumerate(tr._microbatches(tr.train_ds, 0, tr.num_mb)):
-        out = tr.model(tok[:, :-1].t().contiguous(), tok[:, 1:].t().reshape(-1), KeepHolder())
-        total = total + (out * tr._select(out, tok, i).loss_mask.reshape(-1)).sum()
-    (total / (tr.kept_rows * tr.num_mb)).backward()
+    for i, batch in enumerate(tr._microbatches(tr.train_ds, 0, tr.num_mb)):
+        out = tr.model(batch.ids, batch.targets, KeepHolder())
+        total = total + (out * tr.filter.select(out, batch, tr.step, i).loss_mask.reshape(-1)).sum()
+    (total / (tr.filter.kept_rows * tr.num_mb)).backward()
     ref = grads(tr)
     rows: dict[str, dict] = {}
     for n, g in ref.items():
