@@ -1,11 +1,12 @@
 """Excess-loss selection through the trainer (issue 13): the tokens `megasparse train` keeps are exactly those a
 plain computation picks — the model's per-token loss minus the reference loss (the sidecar read at the labels'
 `.bin` offsets, or the n-gram model on the sample), top-k with ties to the lower index — at 1 rank, DP=2 and
-TP=2 × PP=2, for the `sidecar` and `ngram` sources.
+TP=2 × PP=2, for the `sidecar`, `ngram` and `model` sources (the reference model runs whole on the last stage).
 
 The model loss is checked against tests/reference_model.py (full weights, same samples read from the dataset by
 hand) to 1e-4; the top-k is then taken over the trainer's own fp32 losses, because at initialisation the model's
-losses are nearly equal (≈ log V) and a 1e-6 rounding difference would otherwise decide near-ties.
+losses are nearly equal (≈ log V) and a 1e-6 rounding difference would otherwise decide near-ties. For the same
+reason the `model` source's reference losses are checked to 1e-4 and the trainer's are ranked.
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ def corpus(tmp_path_factory) -> dict:
     return {"tok": str(tok), "prefix": str(d / "ds"), "sidecar": str(d / "ds.refloss"), "ngram": str(d / "ngram.npz")}
 
 
-def overrides(corpus: dict, source: str, layout: list[str]) -> list[str]:
-    ref = [f"data.ref_losses={corpus['sidecar']}"] if source == "sidecar" else [f"filter.ngram_path={corpus['ngram']}"]
+def overrides(corpus: dict, source: str, layout: list[str], ref_dir: str | None = None) -> list[str]:
+    ref = {
+        "sidecar": [f"data.ref_losses={corpus['sidecar']}"],
+        "ngram": [f"filter.ngram_path={corpus['ngram']}"],
+        "model": [f"filter.ref_checkpoint={ref_dir}"],
+    }[source]
     return [
         f"data.prefix={corpus['prefix']}",
         f"data.tokenizer={corpus['tok']}",
@@ -78,22 +83,40 @@ def kept_by_trainer(ov: list[str]) -> dict:
 
     tr = Trainer(load_config(None, ov))
     weights = {k: v.clone() for k, v in full_state_dict(tr.model).items()}  # before the step updates them
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    select = tr.filter.select
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    select, reference, last = tr.filter.select, tr.filter.reference, {}
 
     def recording(per_tok, batch, step, mb_index):
         sel = select(per_tok, batch, step, mb_index)
-        kept[mb_index] = (sel.mask.clone(), per_tok.detach().clone().view(sel.mask.shape))
+        kept[mb_index] = (sel.mask.clone(), per_tok.detach().clone().view(sel.mask.shape), last["ref"])
         return sel
+
+    def recording_reference(ids, labels, positions):
+        last["ref"] = reference(ids, labels, positions).clone()
+        return last["ref"]
+
+    tr.filter.reference = None if reference is None else recording_reference
 
     tr.filter.select = recording
     tr.train_step()
     return {"weights": weights, "kept": kept}
 
 
-def plain_kept(ov: list[str], source: str, corpus: dict, weights: dict, m: int, model_loss: torch.Tensor):
-    """Global micro-batch ``m`` of step 0, read from the dataset directly and selected by hand from
-    ``model_loss`` (the trainer's, checked here against the reference model). Returns (mask, has inserted EOD)."""
+def train_reference(ov: list[str]) -> dict:
+    """A one-step reference run (saved at the end); its full weights."""
+    from megasparse.config import load_config
+    from megasparse.parallel.consolidate import full_state_dict
+    from megasparse.train import Trainer
+
+    tr = Trainer(load_config(None, ov))
+    tr.fit()
+    return {k: v.clone() for k, v in full_state_dict(tr.model).items()}
+
+
+def plain_kept(ov: list[str], source: str, corpus: dict, weights: dict, m: int, got: tuple, ref_weights=None):
+    """Global micro-batch ``m`` of step 0, read from the dataset directly and selected by hand from the trainer's
+    model losses (checked here against the reference model). Returns (mask, has inserted EOD)."""
+    _, model_loss, got_ref = got
     from megasparse.config import load_config
     from megasparse.filtering.ngram import NgramLM
     from megasparse.filtering.sidecar import open_sidecar
@@ -112,8 +135,13 @@ def plain_kept(ov: list[str], source: str, corpus: dict, weights: dict, m: int, 
         side = np.asarray(open_sidecar(corpus["sidecar"], corpus["prefix"]), dtype=np.float32)
         lpos = pos[:, 1:].T
         ref = torch.from_numpy(np.where(lpos >= 0, side[np.maximum(lpos, 0)], 0.0).astype(np.float32))
-    else:
+    elif source == "ngram":
         ref = NgramLM.load(corpus["ngram"]).label_losses(ids, labels)
+    else:
+        with torch.no_grad():
+            plain_ref = per_token_loss(ref_weights, cfg.model, vocab, ids, labels)
+        torch.testing.assert_close(got_ref, plain_ref, rtol=1e-4, atol=1e-4)
+        ref = got_ref
     score = (model_loss - ref).reshape(-1).numpy()
     k = math.ceil(KEEP * score.size)
     top = np.lexsort((np.arange(score.size), -score))[:k]  # highest score first, ties to the lower flat index
@@ -130,10 +158,15 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("source", ["sidecar", "ngram"])
-def test_trainer_keeps_the_plain_excess_loss_top_k(corpus, source: str, layout: str) -> None:
+@pytest.mark.parametrize("source", ["sidecar", "ngram", "model"])
+def test_trainer_keeps_the_plain_excess_loss_top_k(corpus, source: str, layout: str, tmp_path) -> None:
     world, extra = LAYOUTS[layout]
-    ov = overrides(corpus, source, extra)
+    ref_weights = None
+    if source == "model":  # a dense reference trained at pp=1 with the run's TP, used whole by the last stage
+        tp = [x for x in extra if x.startswith("parallel.tp")]
+        ref_ov = overrides(corpus, "sidecar", tp) + ["filter.mode=off", "train.steps=1", f"logging.out_dir={tmp_path}"]
+        ref_weights = run_distributed(train_reference, 2 if tp else 1, ref_ov)[0]
+    ov = overrides(corpus, source, extra, str(tmp_path))
     results = run_distributed(kept_by_trainer, world, ov)
     kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for r in results:
@@ -142,8 +175,8 @@ def test_trainer_keeps_the_plain_excess_loss_top_k(corpus, source: str, layout: 
     assert sorted(kept) == [0, 1, 2, 3]  # the global batch: 8 samples in micro-batches of 2
     inserted_eod = False
     for m, per_rank in kept.items():
-        for got, model_loss in per_rank:  # every TP rank of the last stage selects the same tokens
-            want, has_eod = plain_kept(ov, source, corpus, results[0]["weights"], m, model_loss)
+        for got in per_rank:  # every TP rank of the last stage selects the same tokens
+            want, has_eod = plain_kept(ov, source, corpus, results[0]["weights"], m, got, ref_weights)
             inserted_eod |= bool(has_eod)
-            assert torch.equal(got, want), (m, got.int(), want.int())
+            assert torch.equal(got[0], want), (m, got[0].int(), want.int())
     assert inserted_eod  # the -1 offsets of packer-inserted EODs were exercised

@@ -121,12 +121,10 @@ def _reference_model(cfg: Config, vocab: int, device: torch.device, compute_dtyp
     from megasparse.model.builder import build_model
 
     f = cfg.filter
-    if cfg.parallel.pp > 1:
-        raise ConfigError("filter.reference=model needs parallel.pp=1 (the reference runs on one stage)")
     if not f.ref_checkpoint:
         raise ConfigError("filter.reference=model needs filter.ref_checkpoint (a run's out_dir or step dir)")
     ref = build_model(cfg, vocab, device=device, compute_dtype=compute_dtype, whole=True)
-    ckpt.load_weights(f.ref_checkpoint, ref)
+    ckpt.load_weights(f.ref_checkpoint, ref, ref.layout)
     ref.requires_grad_(False)
 
     @torch.no_grad()

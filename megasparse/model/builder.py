@@ -4,6 +4,7 @@ inference model (`ref score`) are all built here, so they share device, dtype an
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -58,9 +59,10 @@ def embedding_rows(cfg: Config, vocab: int) -> list[int] | None:
 def build_model(
     cfg: Config, vocab: int, *, device: torch.device, compute_dtype: torch.dtype, whole: bool = False
 ) -> GPTStage:
-    """This rank's pipeline stage of ``cfg``'s model; ``whole``: every layer on one stage (a reference model,
-    which needs pp=1 because the layers read the pipeline rank from the global layout)."""
+    """This rank's pipeline stage of ``cfg``'s model; ``whole``: every layer in one stage on this rank's TP
+    group, whatever the pipeline layout (the online reference model, run by the last stage)."""
     m = cfg.model
+    whole_layout = dataclasses.replace(state.layout(), pp=1, pp_rank=0) if whole else None
     return GPTStage(
         m,
         [m.num_layers] if whole else cfg.parallel.stage_layers(m.num_layers),
@@ -72,6 +74,7 @@ def build_model(
         sequence_parallel=cfg.parallel.sequence_parallel,
         loss=cfg.loss,
         embedding_rows=None if whole else embedding_rows(cfg, vocab),
+        layout=whole_layout,
     )
 
 

@@ -112,10 +112,13 @@ class GPTStage(nn.Module):
         sequence_parallel: bool = False,
         loss: LossConfig | None = None,
         embedding_rows: list[int] | None = None,
+        layout: state.Layout | None = None,
     ):
-        """``embedding_rows``: input-embedding rows per pipeline stage under embedding_over_pp (None: even)."""
+        """``embedding_rows``: input-embedding rows per pipeline stage under embedding_over_pp (None: even).
+        ``layout``: this stage's place in the grid (default: the global one); a whole-model reference on the last
+        pipeline stage passes its TP place with pp=1. Layers below read only TP from the global layout."""
         super().__init__()
-        lay = state.layout()
+        lay = self.layout = layout or state.layout()
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.compute_dtype = compute_dtype
