@@ -4,6 +4,11 @@ Order of business: load and validate the whole config against the world size (be
 group exists), build the data, create the groups, build this rank's pipeline stage, then run
 steps of 1F1B over micro-batches, reduce gradients over DP (and the SP-replicated norms over TP),
 clip, step AdamW with warmup + cosine, log, evaluate and checkpoint.
+
+Features plug in rather than being wired here: the model comes from ``model/builder.py``, token filtering is a
+``filtering/component.py`` TokenFilter fed by ``data/batch.py`` Batches, 2:4 sparsity a
+``sparse24/converter.py`` converter with optimizer hooks, gradient reduction and norm live in
+``parallel/grads.py`` (docs/decisions/0403).
 """
 
 from __future__ import annotations
@@ -82,14 +87,8 @@ class Trainer:
         self.num_mb = cfg.num_microbatches(self.dp)
         s_local = m.seq_length // (self.lay.tp if cfg.parallel.sequence_parallel else 1)
         self.act_shape = (s_local, cfg.train.micro_batch_size, m.hidden_size)
-        self.filter = TokenFilter.from_config(
-            cfg,
-            self.train_ds,
-            self.vocab,
-            device=self.device,
-            compute_dtype=self.compute_dtype,
-            last_stage=self.lay.is_last_stage,
-        )
+        dev, dt, last = self.device, self.compute_dtype, self.lay.is_last_stage
+        self.filter = TokenFilter.from_config(cfg, self.train_ds, self.vocab, dev, dt, last)  # None: mode off
         kept = self.filter.kept_rows if self.filter is not None and self.filter.collider else None
         kept_fn = None if kept is None else (lambda: kept)
         spec = P2PSpec(self.act_shape, self.compute_dtype, self.device, kept_fn, cfg.train.micro_batch_size)

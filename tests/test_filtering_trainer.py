@@ -1,7 +1,7 @@
 """Excess-loss selection through the trainer (issue 13): the tokens `megasparse train` keeps are exactly those a
 plain computation picks — the model's per-token loss minus the reference loss (the sidecar read at the labels'
 `.bin` offsets, or the n-gram model on the sample), top-k with ties to the lower index — at 1 rank, DP=2 and
-TP=2 × PP=2, for the `sidecar`, `ngram` and `model` sources (the reference model runs whole on the last stage).
+TP=2 × PP=2 with SP, for the `sidecar`, `ngram` and `model` sources (the reference model runs whole on the last stage).
 
 The model loss is checked against tests/reference_model.py (full weights, same samples read from the dataset by
 hand) to 1e-4; the top-k is then taken over the trainer's own fp32 losses, because at initialisation the model's
@@ -153,7 +153,7 @@ def plain_kept(ov: list[str], source: str, corpus: dict, weights: dict, m: int, 
 LAYOUTS = {
     "1rank": (1, []),
     "dp2": (2, []),
-    "tp2pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "tp2pp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
 }
 
 

@@ -53,7 +53,7 @@ class TokenFilter:
 
     @classmethod
     def from_config(
-        cls, cfg: Config, train_ds, vocab: int, *, device: torch.device, compute_dtype: torch.dtype, last_stage: bool
+        cls, cfg: Config, train_ds, vocab: int, device: torch.device, compute_dtype: torch.dtype, last_stage: bool
     ) -> TokenFilter | None:
         """The run's filter (None when ``filter.mode=off``); only the last stage, which selects, gets a reference."""
         f = cfg.filter
