@@ -180,3 +180,22 @@ def test_trainer_keeps_the_plain_excess_loss_top_k(corpus, source: str, layout: 
             inserted_eod |= bool(has_eod)
             assert torch.equal(got[0], want), (m, got[0].int(), want.int())
     assert inserted_eod  # the -1 offsets of packer-inserted EODs were exercised
+
+
+def test_sidecar_errors_name_what_is_missing(corpus) -> None:
+    from megasparse.config import load_config
+    from megasparse.configbase import ConfigError
+    from megasparse.filtering.component import build_reference
+    from megasparse.train import build_data
+
+    def error(ov: list[str]) -> str:
+        cfg = load_config(None, ov)
+        with pytest.raises(ConfigError) as e:
+            build_reference(cfg, build_data(cfg)[0], 300, device=torch.device("cpu"), compute_dtype=torch.float32)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    no_sidecar = [x for x in overrides(corpus, "sidecar", []) if not x.startswith("data.ref_losses")]
+    assert "needs data.ref_losses" in error(no_sidecar)
+    synthetic = ["data.prefix=synthetic", "model.vocab_size=64", "filter.reference=sidecar", "data.ref_losses=x"]
+    assert "data.prefix=synthetic has none" in error(synthetic)

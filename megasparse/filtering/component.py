@@ -112,6 +112,11 @@ def build_reference(
     from megasparse.filtering.reference import ReferenceLosses
 
     prefix = train_ds.indexed.prefix if isinstance(train_ds, PackedDataset) else None
+    if f.reference == "sidecar" and cfg.data.ref_losses and prefix is None:
+        raise ConfigError(
+            f"filter.reference=sidecar reads data.ref_losses at .bin offsets, but data.prefix={cfg.data.prefix} has "
+            "none; use an indexed dataset or filter.reference=ngram"
+        )
     return ReferenceLosses.from_config(f, cfg.data.ref_losses, prefix)
 
 
