@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megasparse.config import load_config
-from megasparse.ops.compact import KeepHolder, KeepMeta
+from megasparse.ops.compact import KeepHolder
 from megasparse.parallel import comm, state
 from megasparse.train import Trainer
 
@@ -59,8 +59,8 @@ def time_step(tr: Trainer, iters: int, warmup: int) -> dict:
     phases: dict[str, list[float]] = {k: [] for k in ("forward", "select", "backward", "optim", "step")}
     mode = tr.cfg.filter.mode
     for it in range(warmup + iters):
-        tok = tr._microbatches(tr.train_ds, tr.consumed, 1)[0]
-        ids, targets = tok[:, :-1].t().contiguous(), tok[:, 1:].t().reshape(-1)
+        batch = tr._microbatches(tr.train_ds, tr.consumed, 1)[0]
+        ids, targets = batch.ids, batch.targets
         tr.optimizer.zero_grad(set_to_none=True)
         sync()
         t0 = time.perf_counter()
@@ -71,10 +71,7 @@ def time_step(tr: Trainer, iters: int, warmup: int) -> dict:
         if mode == "off":
             loss = out.mean()
         else:
-            sel = tr._select(out, tok, 0)
-            if mode == "collider":
-                keep.meta = KeepMeta(sel.idx, out.numel(), tok.shape[0])
-            loss = (out * sel.loss_mask.reshape(-1)).sum() / sel.k
+            loss = tr.filter.masked_loss(out, batch, keep, tr.step, 0) / tr.filter.kept_rows
         sync()
         t2 = time.perf_counter()
         with comm.phase("backward"):

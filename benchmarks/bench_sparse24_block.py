@@ -4,7 +4,7 @@
         [--micro 1,2,4] [--gbs 8] [--backend auto]   (torchrun --nproc_per_node 1 works too)
 
 1. Correctness first: one megasparse TransformerBlock made sparse by the trainer's own code path
-   (``Trainer._build_sparsity``: SparsityManager + Sparse24Gemm on fc1/fc2) takes one AdamW step, so its next
+   (the trainer's ``Sparse24Converter``: SparsityManager + Sparse24Gemm on fc1/fc2) takes one AdamW step, so its next
    forward uses the per-step value-refresh path; a dense block with the same weights, fc1/fc2 multiplied by the
    masks (what the emulate backend computes), must agree within bf16 tolerance on the FFN output, the fc1/fc2
    weight gradients and the mlp-norm weight gradient (which only fc1's input gradient reaches). Control: the
@@ -37,7 +37,6 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -52,6 +51,7 @@ from megasparse.model.gpt import TransformerBlock  # noqa: E402
 from megasparse.ops.attention import rope_tables  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 from megasparse.sparse24 import linear as lin  # noqa: E402
+from megasparse.sparse24.converter import Sparse24Converter  # noqa: E402
 from megasparse.train import Trainer  # noqa: E402
 
 CONFIG = ROOT / "configs" / "gpu_1b_1gpu.yaml"
@@ -93,13 +93,12 @@ def make_cfg(args: argparse.Namespace, model_ov: list[str], extra: list[str] = (
 
 # ------------------------------------------------------------------------------------------------ block
 def build_block(cfg: Config, dev: torch.device, dtype: torch.dtype, sparse: bool):
-    """One TransformerBlock; when ``sparse``, its FFN is made 2:4 by the trainer's own _build_sparsity."""
+    """One TransformerBlock; when ``sparse``, its FFN is made 2:4 by the trainer's own Sparse24Converter."""
     block = TransformerBlock(cfg.model, 0, cfg.train.seed, dev, False, dtype)
     mgr = None
     if sparse:
         cfg.sparsity.enabled = True
-        host = SimpleNamespace(cfg=cfg, model=SimpleNamespace(layers=[block]), compute_dtype=dtype)
-        mgr = Trainer._build_sparsity(host)
+        mgr = Sparse24Converter(cfg.sparsity, cfg.train.steps, dtype).convert_linears(block.ffn_linears())
     o = cfg.optim
     groups = [
         {"params": [p for p in block.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
@@ -291,7 +290,7 @@ def e2e_case(args, micro: int, sparse: bool) -> dict:
         interval = cfg.sparsity.refresh_interval
         for _ in range(args.refreshes):
             nxt = (tr.step // interval + 1) * interval
-            if nxt >= tr.sparsity.switch_step:
+            if nxt >= tr.sparsity.manager.switch_step:
                 raise RuntimeError(f"refresh step {nxt} is inside the dense fine-tuning phase; raise train.steps")
             tr.step = nxt - 1
             r1, r2 = step(), step()

@@ -33,9 +33,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megasparse.config import Config, ConfigError, load_config  # noqa: E402
+from megasparse.data.dataset import batch_iterator  # noqa: E402
 from megasparse.metrics import flops_per_token, peak_tflops  # noqa: E402
 from megasparse.parallel import comm, state  # noqa: E402
-from megasparse.train import Trainer, _iterate, build_data  # noqa: E402
+from megasparse.train import Trainer, build_data  # noqa: E402
 
 IMPLS = ("megasparse", "mcore-sdpa", "mcore-local")
 
@@ -94,7 +95,7 @@ def profile_table(step, dev: torch.device, label: str) -> str:
 def mcore_data(cfg: Config, ds, dev: torch.device):
     """The micro-batches megasparse's trainer draws ([b, s+1] tokens from step 0 on), moved to ``dev``."""
     lay = state.layout()
-    for x in _iterate(ds, cfg.train.micro_batch_size, lay.dp_rank, lay.dp, 0):
+    for x in batch_iterator(ds, cfg.train.micro_batch_size, lay.dp_rank, lay.dp, 0):
         yield x.to(dev, non_blocking=True)
 
 
@@ -172,8 +173,8 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
     mem = _peak_gib(dev)
     prof = profile_table(step, dev, f"{impl} mb={cfg.train.micro_batch_size}") if profile else ""
     extra = after(step) if after is not None else None
-    if getattr(keep, "graph", None) is not None:  # a captured step's memory pool outlives the trainer otherwise
-        keep.graph.release()
+    if getattr(keep, "graphs", None) is not None:  # a captured step's memory pool outlives the trainer otherwise
+        keep.graphs.release()
     del keep, step
     _free()
     if impl == "mcore-local":

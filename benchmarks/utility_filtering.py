@@ -178,14 +178,14 @@ def run_all(a: argparse.Namespace, runs: list[tuple[str, int]]) -> dict[str, dic
 def grad_tokens_per_step(cfg_path: Path) -> int:
     """Tokens whose loss reaches the gradient in one optimizer step (kept tokens when filtering)."""
     from megasparse.config import load_config
-    from megasparse.filtering.selection import kept_rows
+    from megasparse.filtering.selection import kept_total
 
     cfg = load_config(str(cfg_path))
     s, b, f = cfg.model.seq_length, cfg.train.micro_batch_size, cfg.filter
     mbs_per_step = cfg.train.global_batch_size // b  # single process: dp = 1, no SP
     if f.mode == "off":
         return s * b * mbs_per_step
-    return kept_rows(s, b, f.keep_ratio, f.granularity, 1) * mbs_per_step
+    return kept_total((s, b), f.keep_ratio, f.granularity, 1) * mbs_per_step
 
 
 def collect(a: argparse.Namespace, runs: list[tuple[str, int]], status: dict[str, dict]) -> dict[str, dict]:
@@ -415,10 +415,10 @@ def grad_check(a: argparse.Namespace) -> list[dict]:
     tr = trainer("loss_mask")  # the explicit reference: plain autograd through the masked, kept-normalised loss
     tr.optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for i, tok in enumerate(tr._microbatches(tr.train_ds, 0, tr.num_mb)):
-        out = tr.model(tok[:, :-1].t().contiguous(), tok[:, 1:].t().reshape(-1), KeepHolder())
-        total = total + (out * tr._select(out, tok, i).loss_mask.reshape(-1)).sum()
-    (total / (tr.kept_rows * tr.num_mb)).backward()
+    for i, batch in enumerate(tr._microbatches(tr.train_ds, 0, tr.num_mb)):
+        out = tr.model(batch.ids, batch.targets, KeepHolder())
+        total = total + (out * tr.filter.select(out, batch, tr.step, i).loss_mask.reshape(-1)).sum()
+    (total / (tr.filter.kept_rows * tr.num_mb)).backward()
     ref = grads(tr)
     rows: dict[str, dict] = {}
     for n, g in ref.items():

@@ -23,8 +23,8 @@ from megasparse.parallel import state
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-def _key(name: str) -> str:
-    lay = state.layout()
+def _key(name: str, lay: state.Layout | None = None) -> str:
+    lay = lay or state.layout()
     return f"tp{lay.tp_rank}.pp{lay.pp_rank}.{name}"
 
 
@@ -106,12 +106,16 @@ def load(path: Path, model, optimizer, extra: dict) -> dict:
     return {k: sd[_key(f"extra.{k}")] for k in extra}
 
 
-def load_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
-    """Load only the model parameters of a checkpoint (a reference model; same tp/pp layout)."""
+def load_weights(path: str | os.PathLike, model: torch.nn.Module, layout: state.Layout | None = None) -> None:
+    """Load only the model parameters of a checkpoint (a reference model; same tp/pp layout).
+
+    ``layout``: the model's own place (a whole-model reference on the last stage: pp=1); it is then read by this
+    rank alone, since the other pipeline stages hold no reference and cannot join a collective load.
+    """
     where = resolve_resume(str(path))
-    sd = {_key("model." + name): p.data for name, p in model.named_parameters()}
+    sd = {_key("model." + name, layout): p.data for name, p in model.named_parameters()}
     try:
-        dcp.load(sd, checkpoint_id=str(where))
+        dcp.load(sd, checkpoint_id=str(where), no_dist=layout is not None)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(
             f"checkpoint {where} does not match this model ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "

@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+
+from megasparse.data.batch import Batch
 
 
 def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
@@ -49,43 +52,111 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
     return None
 
 
+def sparse_gemms(model: torch.nn.Module) -> list:
+    """The 2:4 GEMM adapters the converter installed (their operands are refreshed before replays)."""
+    from megasparse.sparse24.gemm import Sparse24Gemm
+
+    return [m.gemm for m in model.modules() if isinstance(getattr(m, "gemm", None), Sparse24Gemm)]
+
+
 class MicrobatchGraph:
-    """``run_one(tokens)`` captured once, replayed for each micro-batch's tokens."""
+    """``run_one(batch)`` captured once, replayed for each micro-batch's tokens.
+
+    ``run_one`` adds the micro-batch's summed per-token loss into ``acc["loss"]`` (in place) and runs its backward;
+    the captured graph writes into this object's static accumulator and the parameters' ``.grad``."""
 
     def __init__(
         self,
-        run_one: Callable[[torch.Tensor], None],
-        example: torch.Tensor,
+        run_one: Callable[[Batch], None],
+        example: Batch,
         params: list[torch.nn.Parameter],
-        loss_acc: torch.Tensor,
+        acc: dict,
         warmup: int = 2,
     ):
-        self.tokens = example.clone()
-        self.loss_acc = loss_acc
-        self.params = params
-        for p in params:  # the backward must accumulate into tensors that outlive the capture
+        self.batch = Batch(example.tokens.clone(), example.samples, example.positions)
+        self.loss_acc = torch.zeros((), dtype=torch.float64, device=example.tokens.device)
+        self.params = [p for p in params if p.requires_grad]
+        for p in self.params:  # the backward must accumulate into tensors that outlive the capture
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        acc["loss"] = self.loss_acc
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                run_one(self.tokens)
+                run_one(self.batch)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            run_one(self.tokens)
-        self.zero()
+            run_one(self.batch)
 
-    def zero(self) -> None:
-        """Clear what the warm-up passes accumulated (and before every step's first replay)."""
+    def run(self, batches: list[Batch], acc: dict) -> None:
+        """One step: clear the accumulators (the warm-up passes' too), replay once per micro-batch."""
         torch._foreach_zero_([p.grad for p in self.params])
         self.loss_acc.zero_()
+        for b in batches:
+            self.batch.tokens.copy_(b.tokens, non_blocking=True)
+            self.graph.replay()
+        acc["loss"] = self.loss_acc
 
     def release(self) -> None:
         """Give the graph's private memory pool back (a trainer that is dropped while others run)."""
         self.graph.reset()
 
-    def replay(self, tokens: torch.Tensor) -> None:
-        self.tokens.copy_(tokens, non_blocking=True)
-        self.graph.replay()
+
+def _log0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class CapturedSteps:
+    """The trainer's side of it: capture when the run allows, capture again when the 2:4 operands change, and run
+    eagerly (saying why, once) when a capture fails."""
+
+    def __init__(self, cfg, pp: int, device: torch.device, model: torch.nn.Module):
+        self.blocker = capture_blocker(cfg, pp, device)
+        self.model = model
+        self.graph: MicrobatchGraph | None = None
+        self.key: tuple = ()
+        self.recaptures: list[int] = []
+        if device.type == "cuda" and self.blocker is not None:
+            _log0(f"cuda graphs off: {self.blocker}")
+
+    @property
+    def active(self) -> bool:
+        """A captured backward owns its ``.grad`` tensors: zero them in place, never set them to None."""
+        return self.graph is not None
+
+    def run(self, batches: list[Batch], run_one: Callable[[Batch], None], acc: dict, step: int) -> bool:
+        """Replay the captured micro-batch for each batch (capturing it first); False: run this step eagerly."""
+        if self.blocker is not None:
+            return False
+        key = tuple(g.prepare_replay() for g in sparse_gemms(self.model))  # 2:4 operands updated in place
+        if self.graph is not None and key != self.key:  # new masks or dense fine-tuning: capture again
+            self.release()
+            self.recaptures.append(step)
+            if len(self.recaptures) >= 3 and self.recaptures[-1] - self.recaptures[-3] <= 2:
+                return self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
+        self.key = key
+        if self.graph is None:
+            try:
+                self.graph = MicrobatchGraph(run_one, batches[0], list(self.model.parameters()), acc)
+            except Exception as e:  # noqa: BLE001 - an uncapturable op: say so once and stay eager
+                for p in self.model.parameters():
+                    p.grad = None
+                acc["loss"] = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
+                return self._off(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            _log0(f"cuda graphs: one micro-batch captured, replayed {len(batches)}x per step")
+        self.graph.run(batches, acc)
+        return True
+
+    def _off(self, why: str) -> bool:
+        self.blocker = why
+        self.release()
+        _log0(f"cuda graphs off: {why}")
+        return False
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.release()
+            self.graph = None

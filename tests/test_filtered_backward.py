@@ -31,7 +31,7 @@ def grads_of(overrides: list[str]) -> dict:
         "grads": full_state_dict(tr.model, grads=True),
         "weights": weights,
         "densified": densify_count() - before,
-        "kept_rows": tr.kept_rows,
+        "kept_rows": tr.filter.kept_rows if tr.filter is not None else 0,
         "num_mb": tr.num_mb * tr.dp,
         "mb": cfg.train.micro_batch_size,
     }
@@ -40,8 +40,8 @@ def grads_of(overrides: list[str]) -> dict:
 def reference_grads(res: dict, mode: str, keep_ratio: float, granularity: str = "microbatch", sp: int = 1) -> dict:
     """Gradients of the explicit reference on the same global batch and the same (random) selection."""
     from megasparse.config import load_config
+    from megasparse.data.dataset import SyntheticData
     from megasparse.filtering.selection import select_tokens
-    from megasparse.train import SyntheticData
 
     cfg = load_config(None, BASE)
     params = {k: v.clone().requires_grad_() for k, v in res["weights"].items()}
@@ -197,10 +197,11 @@ def test_all_three_accelerations_compose_under_tp_sp():
 def one_line_api(keep_ratio: float) -> dict:
     """A custom loop with ``backward_filter`` gives the trainer's Collider gradients."""
     from megasparse.config import load_config
+    from megasparse.data.dataset import SyntheticData
     from megasparse.filtering.api import KeepHolder, backward_filter
     from megasparse.filtering.selection import select_tokens
     from megasparse.parallel.consolidate import full_state_dict
-    from megasparse.train import SyntheticData, Trainer
+    from megasparse.train import Trainer
 
     cfg = load_config(None, BASE + ["train.global_batch_size=2"])
     tr = Trainer(cfg)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megasparse.configbase import ConfigError
-from megasparse.filtering.selection import kept_count, kept_rows, score_tokens, select_tokens
+from megasparse.filtering.selection import kept_count, kept_total, score_tokens, select_tokens
 
 
 def _reference(scores: torch.Tensor, valid: torch.Tensor, ratio: float, granularity: str, sp: int) -> list[int]:
@@ -57,7 +57,7 @@ def test_matches_bruteforce_and_counts(granularity: str, shape: tuple[int, int],
         "shard": sp * kept_count(s // sp * b, ratio),
         "balanced": sp * b * kept_count(s // sp, ratio),
     }[granularity]
-    assert km.k == kept_rows(s, b, ratio, granularity, sp)
+    assert km.k == kept_total((s, b), ratio, granularity, sp)
     assert km.k == expected_k == km.idx.numel() == int(km.mask.sum())
     assert torch.equal(km.mask.reshape(-1).nonzero().squeeze(1), km.idx)
     if granularity == "sequence":
@@ -167,3 +167,12 @@ def test_random_scorer_reproducible() -> None:
     assert torch.equal(a.idx, b.idx) and a.k == 64
     # random picks are spread out, not the lowest indices
     assert a.idx.max() > 100
+
+
+@pytest.mark.parametrize("granularity,sp", [("microbatch", 1), ("sequence", 1), ("shard", 2), ("shard", 4)])
+@pytest.mark.parametrize("ratio", [0.1, 0.37, 0.5, 1.0])
+def test_kept_total_is_what_selection_keeps(granularity: str, sp: int, ratio: float) -> None:
+    """The trainer sizes compact buffers with kept_total before any selection runs: it must equal k."""
+    scores = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+    sel = select_tokens(scores, ratio, granularity, sp_size=sp)
+    assert kept_total((12, 3), ratio, granularity, sp) == sel.k == int(sel.mask.sum())

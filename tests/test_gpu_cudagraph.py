@@ -29,7 +29,7 @@ def _losses(overrides: list[str], steps: int = 4) -> tuple[list[float], list[flo
     base = tiny(model__num_layers=2, train__device="cuda", train__dtype="bf16", model__seq_length=256)
     tr = Trainer(load_config(None, base + ["parallel.backend=nccl"] + overrides), init_groups=False)
     res = [tr.train_step() for _ in range(steps)]
-    return [r.loss for r in res], [r.grad_norm for r in res], tr.graph is not None
+    return [r.loss for r in res], [r.grad_norm for r in res], tr.graphs.active
 
 
 @pytest.mark.parametrize("mode", ["dense", "collider", "2:4"])

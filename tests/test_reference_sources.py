@@ -62,3 +62,20 @@ def test_model_reference_and_scoring(tmp_path):
     assert torch.isfinite(torch.tensor(loss))
     s = run_distributed(scored, 1, str(tmp_path))[0]
     assert s.shape == (16, 3) and torch.all(s[0] == 0) and torch.all(s[1:] > 0)
+
+
+def config_unchanged_by_inference(out: str) -> bool:
+    import copy
+
+    from megasparse.config import load_config
+    from megasparse.train import load_model_for_inference
+
+    cfg = load_config(None, TINY + ["parallel.sequence_parallel=true", "filter.mode=loss_mask"])
+    before = copy.deepcopy(cfg)
+    load_model_for_inference(cfg, out)
+    return cfg == before
+
+
+def test_load_model_for_inference_leaves_the_config_alone(tmp_path):
+    run_distributed(train_ref, 1, str(tmp_path))
+    assert run_distributed(config_unchanged_by_inference, 1, str(tmp_path))[0]

@@ -16,20 +16,28 @@ Order. The global sample stream is epoch after epoch of a seeded permutation of 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from megasparse.configbase import ConfigError
+from megasparse.data.batch import Batch
 from megasparse.data.config import DataConfig
 from megasparse.data.indexed import DataError, IndexedDataset
 from megasparse.data.tokenizer import BUILTIN_PREFIX, TokenizerInfo, tokenizer_info
 
+if TYPE_CHECKING:
+    from megasparse.config import Config
+
 __all__ = [
     "PackedDataset",
+    "SyntheticData",
     "TokenizerInfo",
     "batch_iterator",
+    "build_data",
     "build_datasets",
+    "iterate_batches",
     "reference_prefix",
     "split_documents",
 ]
@@ -105,7 +113,10 @@ class PackedDataset(torch.utils.data.Dataset):
         return out
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        pos = self.positions(int(i))
+        return self.tokens_at(self.positions(int(i)))
+
+    def tokens_at(self, pos: np.ndarray) -> torch.Tensor:
+        """The tokens at ``.bin`` positions ``pos`` (as from :meth:`positions`; -1 reads as EOD)."""
         real = pos >= 0
         toks = np.full(len(pos), self.eod_id, dtype=np.int64)
         toks[real] = self.indexed.tokens[pos[real]]
@@ -123,24 +134,48 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def global_sample(self, g: int, seed: int | None = None) -> torch.Tensor:
         """The ``g``-th sample of the endless epoch-by-epoch stream."""
+        return self[self.global_index(g, seed)]
+
+    def global_index(self, g: int, seed: int | None = None) -> int:
+        """Sample id (for :meth:`positions`) of the ``g``-th sample of the endless epoch-by-epoch stream."""
         if self.num_samples == 0:
             raise DataError(
                 f"{self.name} split has {self.num_tokens} tokens, fewer than seq_length+1={self.seq_length + 1}; "
                 "use more data, a shorter model.seq_length or another data.valid_fraction"
             )
         epoch, k = divmod(g, self.num_samples)
-        return self[int(self.epoch_order(epoch, seed)[k])]
+        return int(self.epoch_order(epoch, seed)[k])
 
 
-def batch_iterator(
-    ds: PackedDataset,
+class SyntheticData:
+    """Seeded random tokens (``data.prefix: synthetic``) for tests and benchmarks that need no corpus."""
+
+    def __init__(self, vocab: int, seq: int, seed: int, n: int = 4096):
+        self.vocab, self.seq, self.seed, self.n = vocab, seq, seed, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def global_sample(self, g: int, seed: int | None = None) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + g)
+        return torch.randint(0, self.vocab, (self.seq + 1,), generator=gen)
+
+
+def batch_iterator(ds: PackedDataset | SyntheticData, micro_batch_size: int, *args, **kwargs) -> Iterator[torch.Tensor]:
+    """Endless micro-batches ``[micro_batch_size, seq_length + 1]`` (int64) for one data-parallel rank: the
+    tokens of :func:`iterate_batches` (same arguments, scheme and resume rule)."""
+    return (b.tokens for b in iterate_batches(ds, micro_batch_size, *args, **kwargs))
+
+
+def iterate_batches(
+    ds: PackedDataset | SyntheticData,
     micro_batch_size: int,
     dp_rank: int = 0,
     dp_size: int = 1,
     start_sample: int = 0,
     seed: int | None = None,
-) -> Iterator[torch.Tensor]:
-    """Endless micro-batches ``[micro_batch_size, seq_length + 1]`` (int64) for one data-parallel rank.
+) -> Iterator[Batch]:
+    """Endless :class:`Batch` micro-batches for one data-parallel rank: tokens, sample ids, ``.bin`` offsets.
 
     Scheme: global samples are consumed in rounds of ``micro_batch_size * dp_size``; in round ``k`` rank
     ``r`` gets global samples ``start + (k*dp_size + r)*micro`` ... ``+ micro - 1``. Equivalently global
@@ -161,8 +196,15 @@ def batch_iterator(
             f"{per_round}; resume at a global-batch boundary"
         )
     g = start_sample + dp_rank * micro_batch_size
+    packed = isinstance(ds, PackedDataset)
     while True:
-        yield torch.stack([ds.global_sample(g + j, seed) for j in range(micro_batch_size)])
+        gs = range(g, g + micro_batch_size)
+        samples = torch.tensor(list(gs), dtype=torch.int64)
+        if packed:  # the offsets come with the tokens: one positions() walk per sample
+            pos = np.stack([ds.positions(ds.global_index(i, seed)) for i in gs])
+            yield Batch(torch.stack([ds.tokens_at(p) for p in pos]), samples, torch.from_numpy(pos))
+        else:
+            yield Batch(torch.stack([ds.global_sample(i, seed) for i in gs]), samples)
         g += per_round
 
 
@@ -222,6 +264,21 @@ def build_datasets(
                 f"{seq_length + 1}; use more data, a shorter model.seq_length or another data.valid_fraction"
             )
     return train, valid, info
+
+
+def build_data(cfg: Config) -> tuple[PackedDataset | SyntheticData, PackedDataset | SyntheticData, int]:
+    """(train, valid, vocab_size) of a run — vocab from the tokenizer unless model.vocab_size is set."""
+    if cfg.data.prefix == "synthetic":
+        if cfg.model.vocab_size is None:
+            raise ConfigError("data.prefix=synthetic needs model.vocab_size")
+        v = cfg.model.vocab_size
+        return (
+            SyntheticData(v, cfg.model.seq_length, cfg.data.seed),
+            SyntheticData(v, cfg.model.seq_length, cfg.data.seed + 1, n=256),
+            v,
+        )
+    train, valid, info = build_datasets(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
+    return train, valid, cfg.model.vocab_size or info.vocab_size
 
 
 def reference_prefix(data_cfg: DataConfig, rank0_builds: bool = True) -> str | None:

@@ -5,7 +5,8 @@
 
 ``filter.reference``: ``sidecar`` gathers precomputed losses by ``.bin`` position (full document context, no
 compute); ``ngram`` scores the micro-batch with the Kneser-Ney model on the host (context limited to the
-sample); ``model`` (a same-architecture reference checkpoint) belongs to the trainer, which owns model loading.
+sample); ``model`` (a same-architecture reference checkpoint) is built by ``filtering/component.py`` through
+the model builder.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch
 
 from megasparse.configbase import ConfigError
 
-__all__ = ["GRANULARITIES", "SCORERS", "KeepMask", "kept_count", "kept_rows", "score_tokens", "select_tokens"]
+__all__ = ["GRANULARITIES", "SCORERS", "KeepMask", "kept_count", "kept_total", "score_tokens", "select_tokens"]
 
 GRANULARITIES = ("balanced", "microbatch", "sequence", "shard")
 SCORERS = ("excess", "loss", "random")
@@ -34,12 +34,6 @@ def kept_count(n: int, ratio: float) -> int:
     if n < 0:
         raise ValueError(f"group size {n} must be >= 0")
     return min(n, math.ceil(round(ratio * n, 9)))
-
-
-def kept_rows(seq: int, batch: int, keep_ratio: float, granularity: str, sp_size: int = 1) -> int:
-    """Kept tokens of one [seq, batch] micro-batch: fixed by the shape, so compact buffers are sized ahead."""
-    groups, size = _groups((seq, batch), granularity, sp_size)
-    return groups * kept_count(size, keep_ratio)
 
 
 @dataclass
@@ -146,6 +140,12 @@ def _static_counts(granularity: str, b: int, sp_size: int, k_group: int) -> tupl
     if granularity == "shard":
         return (sp_size * k_group if b == 1 else None), sp_size
     return (k_group if b == 1 else None), 1
+
+
+def kept_total(shape: tuple[int, int], keep_ratio: float, granularity: str, sp_size: int = 1) -> int:
+    """Tokens :func:`select_tokens` keeps in a [s, b] micro-batch: fixed by the shape, so buffers are sized ahead."""
+    n_groups, size = _groups(shape, granularity, sp_size)
+    return n_groups * kept_count(size, keep_ratio)
 
 
 def select_tokens(

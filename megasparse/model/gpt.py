@@ -91,6 +91,10 @@ class TransformerBlock(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
+    def ffn_linears(self) -> dict[str, nn.Module]:
+        """The FFN GEMMs by weight name (what a model converter such as 2:4 sparsity replaces)."""
+        return {lin.pname + ".weight": lin for lin in (self.mlp.fc1, self.mlp.fc2)}
+
 
 class GPTStage(nn.Module):
     """The part of the decoder that lives on this pipeline rank."""
@@ -108,10 +112,13 @@ class GPTStage(nn.Module):
         sequence_parallel: bool = False,
         loss: LossConfig | None = None,
         embedding_rows: list[int] | None = None,
+        layout: state.Layout | None = None,
     ):
-        """``embedding_rows``: input-embedding rows per pipeline stage under embedding_over_pp (None: even)."""
+        """``embedding_rows``: input-embedding rows per pipeline stage under embedding_over_pp (None: even).
+        ``layout``: this stage's place in the grid (default: the global one); a whole-model reference on the last
+        pipeline stage passes its TP place with pp=1. Layers below read only TP from the global layout."""
         super().__init__()
-        lay = state.layout()
+        lay = self.layout = layout or state.layout()
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.compute_dtype = compute_dtype
@@ -188,6 +195,14 @@ class GPTStage(nn.Module):
             sequence_parallel=self.sp,
             keep_idx=keep,
         )
+
+    def ffn_linears(self, layers: set[int] | None = None) -> dict[str, nn.Module]:
+        """FFN linears of this stage's blocks (all, or those whose global layer id is in ``layers``), by weight name."""
+        out: dict[str, nn.Module] = {}
+        for block in self.layers:
+            if layers is None or block.layer in layers:
+                out.update(block.ffn_linears())
+        return out
 
     def param_is_sharded(self, name: str) -> bool:
         """TP-sharded parameters differ across TP ranks; the norms are replicated."""

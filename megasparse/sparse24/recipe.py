@@ -1,7 +1,7 @@
 """The sparse-training recipe around the FFN weights: masks, masked decay, refresh cadence,
 flip rate, dense fine-tuning and checkpointable state.
 
-Step protocol for the trainer (one optimizer step):
+The trainer drives it through ``converter.py`` (``Sparse24Converter``); the step protocol (one optimizer step):
 
     loss.backward()                      # sparse24_linear with manager.state(name)
     manager.apply_masked_decay()         # before the optimizer

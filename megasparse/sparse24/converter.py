@@ -1,0 +1,69 @@
+"""2:4 sparsity as a model converter (in the spirit of torchtitan's model converters).
+
+    conv = Sparse24Converter(cfg.sparsity, total_steps, compute_dtype)
+    conv.convert(model)                 # the model names its FFN GEMMs (``model.ffn_linears``); they go 2:4
+    ... backward ...
+    conv.pre_optimizer_step()           # masked decay into the gradients
+    optimizer.step()
+    metrics.update(conv.post_optimizer_step(step))   # refresh / flip rate / dense switch
+    extra.update(conv.extra_state())    # masks travel in the checkpoint's extra state
+
+The trainer calls these hooks and knows nothing else about sparsity; the recipe itself lives in
+:class:`~megasparse.sparse24.recipe.SparsityManager`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megasparse.sparse24.config import SparsityConfig
+from megasparse.sparse24.gemm import Sparse24Gemm
+from megasparse.sparse24.recipe import SparsityManager
+
+__all__ = ["Sparse24Converter"]
+
+_MASK = "mask."
+
+
+class Sparse24Converter:
+    """Makes a model's FFN linears 2:4 sparse; each TP shard keeps its own transposable masks."""
+
+    def __init__(self, cfg: SparsityConfig, total_steps: int, compute_dtype: torch.dtype) -> None:
+        self.cfg, self.total_steps, self.compute_dtype = cfg, int(total_steps), compute_dtype
+        self.manager: SparsityManager | None = None
+
+    def convert(self, model: torch.nn.Module) -> SparsityManager:
+        """Convert the FFN linears the model names (``model.ffn_linears(layers)``) in ``sparsity.layers``."""
+        wanted = None if self.cfg.layers == "all" else {int(x) for x in self.cfg.layers.split(",")}
+        return self.convert_linears(model.ffn_linears(wanted))
+
+    def convert_linears(self, linears: dict[str, torch.nn.Module]) -> SparsityManager:
+        """Install a Sparse24Gemm on each linear (weight name → layer with ``.weight`` and a pluggable ``.gemm``)."""
+        self.manager = SparsityManager({n: lin.weight for n, lin in linears.items()}, self.cfg, self.total_steps)
+        for n, lin in linears.items():
+            lin.gemm = Sparse24Gemm(self.manager, n, lin.weight, self.compute_dtype, self.cfg.mvue)
+        return self.manager
+
+    def pre_optimizer_step(self) -> None:
+        """Masked decay of the pruned weights, added to the gradients the optimizer is about to use."""
+        self.manager.apply_masked_decay()
+
+    def post_optimizer_step(self, step: int) -> dict:
+        """After optimizer step ``step`` (1-based): refresh masks on schedule; metrics for the step's log line."""
+        out: dict = {}
+        rates = self.manager.after_step(step)
+        if rates:
+            out["flip_rate"] = rates
+        out["sparse"] = self.manager.sparse
+        return out
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Masks (and the dense switch) as checkpoint extra-state tensors."""
+        extra = {_MASK + n: m.to(torch.uint8) for n, m in self.manager.masks.items()}
+        extra["sparsity_dense"] = torch.tensor(int(self.manager.dense))
+        return extra
+
+    def load_extra_state(self, extra: dict[str, torch.Tensor], step: int) -> None:
+        """Restore masks and the dense switch saved by :meth:`extra_state` at optimizer step ``step``."""
+        masks = {k[len(_MASK) :]: v.bool() for k, v in extra.items() if k.startswith(_MASK)}
+        self.manager.load_state_dict({"step": step, "dense": bool(extra["sparsity_dense"]), "masks": masks})
