@@ -49,3 +49,22 @@ def test_converter_hooks_and_checkpointed_masks(tmp_path):
     for k, m in r["masks"].items():
         assert torch.equal(r["resumed"][k], m)
         assert m.float().mean().item() == 0.5  # 2 of every 4 kept
+
+
+def test_gemm_autotune_keeps_the_faster_backend() -> None:
+    """Steps are timed with sparse, then masked dense GEMMs; the faster stays, and the choice is final."""
+    from megasparse.sparse24 import converter
+
+    class G:
+        use_sparse = True
+
+    for sparse_ms, dense_ms, want in ((10.0, 12.0, True), (12.0, 10.0, False)):
+        gemms = [G(), G()]
+        clock = [0.0]
+        tune = converter.GemmAutotune(gemms, clock=lambda c=clock: c[0])
+        for step in range(1, 12):
+            # the interval that ends at this tick ran with the GEMMs the previous tick installed
+            clock[0] += (sparse_ms if gemms[0].use_sparse else dense_ms) / 1e3
+            tune.tick(step)
+        assert tune.choice is want and all(g.use_sparse is want for g in gemms)
+        assert len(tune.times[True]) == len(tune.times[False]) == 2

@@ -14,7 +14,10 @@ The trainer calls these hooks and knows nothing else about sparsity; the recipe 
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 
 from megasparse.sparse24.config import SparsityConfig
 from megasparse.sparse24.gemm import Sparse24Gemm
@@ -31,6 +34,7 @@ class Sparse24Converter:
     def __init__(self, cfg: SparsityConfig, total_steps: int, compute_dtype: torch.dtype) -> None:
         self.cfg, self.total_steps, self.compute_dtype = cfg, int(total_steps), compute_dtype
         self.manager: SparsityManager | None = None
+        self.autotune: GemmAutotune | None = None
 
     def convert(self, model: torch.nn.Module) -> SparsityManager:
         """Convert the FFN linears the model names (``model.ffn_linears(layers)``) in ``sparsity.layers``."""
@@ -40,8 +44,13 @@ class Sparse24Converter:
     def convert_linears(self, linears: dict[str, torch.nn.Module]) -> SparsityManager:
         """Install a Sparse24Gemm on each linear (weight name → layer with ``.weight`` and a pluggable ``.gemm``)."""
         self.manager = SparsityManager({n: lin.weight for n, lin in linears.items()}, self.cfg, self.total_steps)
+        gemms = []
         for n, lin in linears.items():
             lin.gemm = Sparse24Gemm(self.manager, n, lin.weight, self.compute_dtype, self.cfg.mvue)
+            gemms.append(lin.gemm)
+        on_gpu = any(lin.weight.is_cuda for lin in linears.values())
+        if self.cfg.backend == "auto" and on_gpu and self.total_steps >= GemmAutotune.STEPS_NEEDED:
+            self.autotune = GemmAutotune(gemms)
         return self.manager
 
     def pre_optimizer_step(self) -> None:
@@ -51,6 +60,8 @@ class Sparse24Converter:
     def post_optimizer_step(self, step: int) -> dict:
         """After optimizer step ``step`` (1-based): refresh masks on schedule; metrics for the step's log line."""
         out: dict = {}
+        if self.autotune is not None:
+            self.autotune.tick(step)
         rates = self.manager.after_step(step)
         if rates:
             out["flip_rate"] = rates
@@ -67,3 +78,51 @@ class Sparse24Converter:
         """Restore masks and the dense switch saved by :meth:`extra_state` at optimizer step ``step``."""
         masks = {k[len(_MASK) :]: v.bool() for k, v in extra.items() if k.startswith(_MASK)}
         self.manager.load_state_dict({"step": step, "dense": bool(extra["sparsity_dense"]), "masks": masks})
+
+
+class GemmAutotune:
+    """``sparsity.backend=auto``: keep cuSPARSELt GEMMs only if the whole step is faster with them.
+
+    Per-GEMM timings (``linear.decide``) miss what a step pays around them (operand refreshes, layouts, the
+    cache); a user switching 2:4 on must never get a slower step. The first training steps are timed with the
+    sparse GEMMs, the next with masked dense GEMMs (the same arithmetic: X·(W⊙M)ᵀ), and the faster stays. The
+    clock is read at each post-optimizer hook, so the interval between two hooks is one whole step; the trainer's
+    own end-of-step synchronisation makes it a device time. The masks, decay and refresh schedule are unchanged.
+    """
+
+    STEPS_NEEDED = 8
+    _PLAN = (("warm", True), ("time", True), ("time", True), ("warm", False), ("time", False), ("time", False))
+
+    def __init__(self, gemms: list, clock=time.perf_counter) -> None:
+        self.gemms, self.clock = gemms, clock
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+        self.last: float | None = None
+        self.i = 0
+        self.choice: bool | None = None
+
+    def _set(self, sparse: bool) -> None:
+        for g in self.gemms:
+            g.use_sparse = sparse
+
+    def tick(self, step: int) -> None:
+        now = self.clock()
+        if self.choice is not None:
+            return
+        if self.last is not None and self.i < len(self._PLAN):
+            kind, sparse = self._PLAN[self.i]
+            if kind == "time":
+                self.times[sparse].append(now - self.last)
+            self.i += 1
+        self.last = now
+        if self.i < len(self._PLAN):
+            self._set(self._PLAN[self.i][1])
+            return
+        t_sparse, t_dense = min(self.times[True]), min(self.times[False])
+        self.choice = t_sparse <= t_dense
+        self._set(self.choice)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(
+                f"sparsity: step with cuSPARSELt GEMMs {1e3 * t_sparse:.1f} ms, with masked dense GEMMs "
+                f"{1e3 * t_dense:.1f} ms: keeping {'cuSPARSELt' if self.choice else 'dense'} GEMMs",
+                flush=True,
+            )

@@ -25,6 +25,8 @@ class Sparse24Gemm:
         self._ver = -1
         self._state: Sparse24Weight | None = None
         self._mask = None
+        self.use_sparse = True
+        """False: masked dense GEMMs (the converter's step-level autotune found them faster)."""
 
     def _operands(self) -> tuple[Sparse24Weight | None, torch.Tensor | None]:
         st = self.manager.state(self.name)
@@ -44,6 +46,7 @@ class Sparse24Gemm:
         elif self._mask is not mask:
             self._state.set_mask(mask)
         self._mask = mask
+        self._state.use_sparse = self.use_sparse
         return self._state, self._w
 
     def prepare_replay(self) -> tuple:
@@ -53,7 +56,7 @@ class Sparse24Gemm:
         if st is None:
             return (self.name, None)
         st.refresh(wt)
-        return (self.name, st.mask_version, id(st.packed), id(st.packed_t), id(st._masked), id(wt))
+        return (self.name, self.use_sparse, st.mask_version, id(st.packed), id(st.packed_t), id(st._masked), id(wt))
 
     def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         st, wt = self._operands()

@@ -223,6 +223,8 @@ class Sparse24Weight:
         self.layout_note = ""
         self._w = weight.detach()
         self.can_sparse = self._sparse_capable(weight)
+        self.use_sparse = True
+        """False: masked dense GEMMs (same arithmetic); set by the step-level autotune when they are faster."""
 
     def _sparse_capable(self, weight: torch.Tensor) -> bool:
         if self.requested_backend == "emulate" or not weight.is_cuda:
@@ -330,7 +332,7 @@ class Sparse24Weight:
 
 
 def _plan(x: torch.Tensor, state: Sparse24Weight, mvue: bool) -> dict | None:
-    if not state.can_sparse or x.dtype != state._w.dtype or x.shape[0] % 8:
+    if not state.can_sparse or not state.use_sparse or x.dtype != state._w.dtype or x.shape[0] % 8:
         return None
     return decide(state.shape[0], state.shape[1], x.shape[0], x.dtype, x.device, mvue)
 
