@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from megasparse.ops.glu import gated_activation, gated_activation_reference  # noqa: E402
 from megasparse.sparse24 import linear as lin  # noqa: E402
 from megasparse.sparse24 import masks as masks_mod  # noqa: E402
-from megasparse.sparse24.activation import gated_activation, gated_activation_reference  # noqa: E402
 from megasparse.sparse24.linear import Sparse24Weight, pack_values, sparse24_linear  # noqa: E402
 from megasparse.sparse24.masks import (  # noqa: E402
     is_transposable_24,

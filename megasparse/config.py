@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -37,12 +38,12 @@ class TrainConfig:
     global_batch_size: int = 8
     """Sequences per optimizer step over all DP ranks; accumulation = global / (micro · dp)."""
     seed: int = 1234
-    dtype: str = "auto"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """auto (bf16 on GPU, fp32 on CPU), bf16 or fp32. bf16 keeps fp32 master weights and grads."""
     eval_interval: int = 50
     """Evaluate on the validation split every this many steps (0 turns it off)."""
     eval_batches: int = 4
-    device: str = "auto"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto (cuda if available), cuda or cpu."""
     deterministic: bool = False
     cuda_graphs: bool = True
@@ -127,10 +128,6 @@ class Config:
                 f"train.micro_batch_size={t.micro_batch_size} x dp={dp}; pick a multiple of "
                 f"{t.micro_batch_size * dp}"
             )
-        if t.dtype not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"train.dtype={t.dtype!r}: use auto, bf16 or fp32")
-        if t.device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"train.device={t.device!r}: use auto, cuda or cpu")
         if self.optim.warmup_steps < 0 or self.optim.lr <= 0:
             raise ConfigError("optim.lr must be > 0 and optim.warmup_steps >= 0")
         self.data.validate()

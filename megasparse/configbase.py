@@ -40,8 +40,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
     if origin is typing.Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:  # YAML 1.1's bare off/on
+            value = "on" if value else "off"
         if value not in args:
-            raise ConfigError(f"{path}: {value!r} is not one of {list(args)}")
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1, cutoff=0.5)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{path}={value!r}: use one of {', '.join(str(a) for a in args)}{hint}")
         return value
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):

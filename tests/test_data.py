@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from megasparse.configbase import ConfigError
+from megasparse.data.bpe import EOD_TOKEN, train_bpe
 from megasparse.data.builtin import chunk_work, strip_gutenberg
 from megasparse.data.config import DataConfig
 from megasparse.data.dataset import PackedDataset, batch_iterator, build_datasets, split_documents
 from megasparse.data.indexed import DataError, IndexedDataset, write_indexed
 from megasparse.data.preprocess import main as preprocess_main
-from megasparse.data.tokenizer import EOD_TOKEN, load_tokenizer, tokenizer_info, train_bpe
+from megasparse.data.tokenizer import load_tokenizer, tokenizer_info
 
 REPO = Path(__file__).resolve().parents[1]
 EOD = 0

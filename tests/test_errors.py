@@ -59,6 +59,22 @@ def test_unknown_key_did_you_mean():
         load_config(None, ["trian.steps=3"])
 
 
+def test_choice_fields_list_the_options():
+    check(
+        ["filter.mode=colider"],
+        1,
+        r"filter.mode='colider': use one of off, loss_mask, collider \(did you mean 'collider'",
+    )
+    check(["train.dtype=bf32"], 1, "train.dtype='bf32': use one of auto, bf16, fp32")
+    check(["train.device=gpu"], 1, "train.device='gpu': use one of auto, cuda, cpu")
+    check(["parallel.backend=mpi"], 1, "parallel.backend='mpi': use one of auto, nccl, gloo")
+    check(["sparsity.backend=cusparse"], 1, "sparsity.backend='cusparse'.*did you mean 'cusparselt'")
+    check(["filter.granularity=token"], 1, "filter.granularity='token'")
+    check(["filter.scorer=ppl"], 1, "filter.scorer='ppl'")
+    check(["filter.reference=file"], 1, "filter.reference='file'")
+    assert load_config(None, TINY + ["filter.mode=off"]).filter.mode == "off"  # YAML reads a bare off as False
+
+
 def test_global_batch_divisible():
     check(["train.global_batch_size=6", "train.micro_batch_size=4"], 1, "global_batch_size")
 

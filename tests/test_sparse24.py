@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megasparse.configbase import ConfigError
+from megasparse.ops.glu import gated_activation, gated_activation_reference
 from megasparse.sparse24 import Sparse24Weight, SparsityManager, sparse24_backward, sparse24_linear, transposable_mask
-from megasparse.sparse24.activation import gated_activation, gated_activation_reference
 from megasparse.sparse24.cli import choose_decay, flip_rate_at_end
 from megasparse.sparse24.cli import main as sparsity_main
 from megasparse.sparse24.config import SparsityConfig

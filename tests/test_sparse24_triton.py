@@ -89,7 +89,7 @@ def _mvue() -> None:
 
 
 def _activation() -> None:
-    from megasparse.sparse24.activation import (
+    from megasparse.ops.glu import (
         GatedActivationFn,
         gated_activation_reference,
         glu_backward_triton,

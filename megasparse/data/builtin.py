@@ -194,9 +194,8 @@ def _texts(jsonl: Path):
 def _build_tokenized(corpus_dir: Path, vocab_size: int, out: Path) -> None:
     from tokenizers import Tokenizer
 
+    from megasparse.data.bpe import eod_id, tokenize_into, train_bpe
     from megasparse.data.indexed import IndexedWriter, optimal_dtype
-    from megasparse.data.preprocess import tokenize_into
-    from megasparse.data.tokenizer import eod_id, train_bpe
 
     t0 = time.time()
     log(f"training byte-level BPE (vocab {vocab_size}) on {corpus_dir / 'shakespeare.jsonl'}")

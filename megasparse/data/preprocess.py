@@ -14,14 +14,14 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
-from tqdm import tqdm
 
+from megasparse.data.bpe import eod_id, tokenize_into
 from megasparse.data.indexed import DataError, IndexedWriter, optimal_dtype
+from megasparse.data.tokenizer import load_tokenizer
 
 _BLANK = re.compile(r"\n[ \t]*\n")
 
@@ -54,39 +54,7 @@ def read_documents(path: str | Path, json_key: str = "text", doc_per_file: bool 
             yield block.strip()
 
 
-def tokenize_into(
-    writer: IndexedWriter,
-    tok: Tokenizer,
-    docs: Iterable[str],
-    eod: int,
-    batch: int = 256,
-    desc: str = "tokenizing",
-    total: int | None = None,
-) -> int:
-    """Encode ``docs`` in batches (tokenizers' Rust threads) and append each with a trailing EOD."""
-    n_docs = 0
-    buf: list[str] = []
-    with tqdm(total=total, desc=desc, unit="doc", file=sys.stderr, mininterval=0.5) as bar:
-
-        def flush() -> None:
-            for enc in tok.encode_batch(buf, add_special_tokens=False):
-                writer.add_document(np.asarray(enc.ids + [eod], dtype=np.int64))
-            bar.update(len(buf))
-            buf.clear()
-
-        for doc in docs:
-            buf.append(doc)
-            n_docs += 1
-            if len(buf) == batch:
-                flush()
-        if buf:
-            flush()
-    return n_docs
-
-
 def main(argv: list[str] | None = None) -> int:
-    from megasparse.data.tokenizer import eod_id, load_tokenizer
-
     ap = argparse.ArgumentParser(prog="megasparse preprocess", description=__doc__.splitlines()[0])
     ap.add_argument("--input", nargs="+", required=True, help=".txt or .jsonl files")
     ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")

@@ -160,15 +160,9 @@ def _cmd_score(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from megasparse.config import load_config
     from megasparse.data.indexed import IndexedDataset
+    from megasparse.train import load_model_for_inference
 
     cfg = load_config(args.config, args.overrides)
-    try:
-        from megasparse.train import load_model_for_inference
-    except ImportError as e:
-        raise NotImplementedError(
-            "needs megasparse.train.load_model_for_inference, which this build does not have yet; "
-            "use `megasparse ref ngram --sidecar-for` for now"
-        ) from e
     model = load_model_for_inference(cfg, args.checkpoint)
     prefix = _resolve_prefix(args.data, None)
     ds = IndexedDataset(prefix)

@@ -6,7 +6,7 @@ subclass that *reports* the full shape but stores only ``rows`` [k, h] and the f
 ``meta.idx`` [k] (rows of the output flattened to [-1, h], ascending). megasparse's own autograd
 Functions unwrap it and run their backward GEMMs and collectives on the rows; autograd itself
 only ever adds two of them (residual connections), which ``__torch_dispatch__`` handles without
-densifying. Anything else densifies and counts it in ``DENSIFY_COUNT`` so tests can assert that
+densifying. Anything else densifies and counts it in ``DENSIFIED`` so tests can assert that
 no O(tokens·hidden) tensor was built on the way.
 """
 
@@ -17,7 +17,22 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
-DENSIFY_COUNT = {"n": 0}
+
+class DensifyCounter:
+    """How many compact gradients were densified in this process; ``reset()`` starts a new count."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self) -> None:
+        self.n += 1
+
+    def reset(self) -> None:
+        self.n = 0
+
+
+DENSIFIED = DensifyCounter()
+"""The process's one counter: ``CompactGrad.dense`` adds to it, tests read it through ``densify_count()``."""
 
 
 @dataclass(eq=False)
@@ -139,7 +154,7 @@ class CompactGrad(torch.Tensor):
 
     def dense(self) -> torch.Tensor:
         """Materialise the full gradient (zeros outside kept rows). Counted: call only at boundaries."""
-        DENSIFY_COUNT["n"] += 1
+        DENSIFIED.add()
         h = self.rows.shape[-1]
         out = self.rows.new_zeros(self.meta.num_rows, h)
         out.index_copy_(0, self.meta.idx, self.rows)
@@ -163,24 +178,11 @@ class CompactGrad(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def is_compact(g: torch.Tensor | None) -> bool:
-    return isinstance(g, CompactGrad)
-
-
-def compact_like(rows: torch.Tensor, like: CompactGrad, full_shape) -> CompactGrad:
-    """A CompactGrad on another tensor of the same row layout (same kept rows)."""
-    return CompactGrad(rows, like.meta, full_shape)
-
-
 def rows_of(t: torch.Tensor, meta: KeepMeta) -> torch.Tensor:
     """The kept rows of a saved full-size activation ``t`` (viewed as [-1, last])."""
     return t.reshape(-1, t.shape[-1]).index_select(0, meta.idx)
 
 
-def to_dense(g: torch.Tensor) -> torch.Tensor:
-    return g.dense() if isinstance(g, CompactGrad) else g
-
-
 def densify_count() -> int:
     """Compact gradients densified so far in this process (tests assert the filtered backward never does)."""
-    return DENSIFY_COUNT["n"]
+    return DENSIFIED.n

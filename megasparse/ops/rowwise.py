@@ -17,6 +17,7 @@ from megasparse.ops.rmsnorm_kernels import (
     rms_forward_reference,
     triton,
 )
+from megasparse.ops.glu import glu_backward_triton, glu_forward_triton
 
 
 def _rms_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,9 +65,7 @@ def _swiglu_bwd(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu_bwd_any(x2d: torch.Tensor, g2d: torch.Tensor) -> torch.Tensor:
-    if x2d.is_cuda:  # the fused Triton kernel of the sparse FFN (megasparse/sparse24/activation.py)
-        from megasparse.sparse24.activation import glu_backward_triton
-
+    if x2d.is_cuda:  # the fused Triton kernel (ops/glu.py), shared with the sparse FFN
         return glu_backward_triton(x2d, g2d.contiguous(), "swiglu")
     return _swiglu_bwd(x2d, g2d)
 
@@ -78,8 +77,6 @@ class SwiGLUFn(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor):
         ctx.save_for_backward(x)
         if x.is_cuda:
-            from megasparse.sparse24.activation import glu_forward_triton
-
             return glu_forward_triton(x.reshape(-1, x.shape[-1]), "swiglu").view(*x.shape[:-1], x.shape[-1] // 2)
         a, b = x.chunk(2, dim=-1)
         return F.silu(a) * b

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from megasparse.configbase import ConfigError
 
@@ -19,7 +20,7 @@ class ParallelConfig:
     """Shard norms/residuals over the sequence in TP regions (needs tp > 1)."""
     layer_split: list[int] | None = None
     """Layers per pipeline stage, e.g. [3, 5]; None splits evenly (remainder to the first stages)."""
-    backend: str = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
 
     def validate(self, world_size: int, num_layers: int, seq_length: int) -> int:
@@ -50,8 +51,6 @@ class ParallelConfig:
                 f"model.seq_length={seq_length} is not divisible by parallel.tp={self.tp} "
                 "(sequence parallelism shards the sequence)"
             )
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise ConfigError(f"parallel.backend={self.backend!r}: use auto, nccl or gloo")
         return world_size // (self.tp * self.pp)
 
     def stage_layers(self, num_layers: int) -> list[int]:

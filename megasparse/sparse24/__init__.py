@@ -1,6 +1,6 @@
 """2:4 fully sparse FFN training: transposable masks, MVUE, sparse linear, gated activation, recipe."""
 
-from megasparse.sparse24.activation import gated_activation
+from megasparse.ops.glu import gated_activation
 from megasparse.sparse24.linear import Sparse24Weight, sparse24_backward, sparse24_forward, sparse24_linear
 from megasparse.sparse24.masks import transposable_mask
 from megasparse.sparse24.mvue import mvue24

@@ -115,7 +115,19 @@ def pack_values(
 # backend choice: a one-time micro-benchmark per GEMM shape
 # ----------------------------------------------------------------------------------------------------------------
 
-_decisions: dict[tuple, dict] = {}
+
+class PlanCache:
+    """Backend verdicts of ``decide``, one per (shape, tokens, dtype, device, mvue); ``reset()`` re-measures."""
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple, dict] = {}
+
+    def reset(self) -> None:
+        self.plans.clear()
+
+
+PLANS = PlanCache()
+"""The process's verdicts: measuring a shape costs milliseconds, so every linear of that shape shares one."""
 
 
 def _cuda_time(fn, iters: int = 5) -> float:
@@ -143,8 +155,8 @@ def decide(out_f: int, in_f: int, n: int, dtype: torch.dtype, device: torch.devi
     Returns {"sparse": bool (fwd+dgrad on cuSPARSELt), "sparse_wgrad": bool, "alg_fwd", "alg_dgrad", times}.
     """
     key = (out_f, in_f, n, dtype, device.index, mvue)
-    if key in _decisions:
-        return _decisions[key]
+    if key in PLANS.plans:
+        return PLANS.plans[key]
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(out_f, in_f, device=device, dtype=dtype, generator=g)
     x = torch.randn(n, in_f, device=device, dtype=dtype, generator=g)
@@ -179,7 +191,7 @@ def decide(out_f: int, in_f: int, n: int, dtype: torch.dtype, device: torch.devi
         out_f, in_f, n, dtype, t_sparse, t_dense, "cuSPARSELt" if res["sparse"] else "dense fallback",
         "cuSPARSELt" if res["sparse_wgrad"] else "dense",
     )  # fmt: skip
-    _decisions[key] = res
+    PLANS.plans[key] = res
     return res
 
 
