@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
 from megasparse.config import Config, ConfigError, dump_config, load_config
+from megasparse.loss import pipeline as vocab_pp
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_mem_gib, peak_tflops
 from megasparse.model.gpt import GPTStage
 from megasparse.ops.compact import KeepHolder, KeepMeta
-from megasparse.parallel import comm, state, vocab_pp
+from megasparse.parallel import comm, state
 from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, lockstep, one_f_one_b
 
 

@@ -180,7 +180,7 @@ def test_vocab_order_ranks_columns_by_mean_logit():
 def test_target_term_with_fp32_de_and_bf16_dw():
     """The row-owned one-hot pass: dE[r] −= gt·W[t_r], dW[t] −= gt·h[r], into an fp32 dE (grad_accum_fp32)
     next to a bf16 dW, with repeated targets and rows whose target lies in another shard."""
-    from megasparse.loss.cce import add_target_term
+    from megasparse.loss.cce_launch import add_target_term
 
     g = torch.Generator().manual_seed(9)
     n, v, d = 37, 11, 8
