@@ -72,6 +72,14 @@ def _worker(rank: int, world: int, port: int, q) -> None:
                             assert len(bwd) == 1 and bwd[0].numel <= kept_valid * D * world, bwd
                             assert bwd[0].numel < N * D
                     checked += 1
+        # SP: hidden rows × TP that do not cover the targets fail in one line naming both, before any collective
+        try:
+            vocab_parallel_loss(h[:5], shard, t, LossConfig(impl="cce"), vocab_start=start, vocab_size=V,
+                                tp_group=None, sequence_parallel=True)  # fmt: skip
+            checked = -1
+        except ValueError as e:
+            if f"5 hidden rows × tp {world} (sequence parallel) = {5 * world} rows but {N} targets" != str(e)[6:]:
+                raise
         q.put((rank, checked, None))
     except Exception:  # report to the parent instead of hanging it
         import traceback

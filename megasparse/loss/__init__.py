@@ -22,8 +22,8 @@ from megasparse.loss.function import VocabParallelLoss
 from megasparse.ops.compact import KeepHolder
 
 __all__ = [
-    "KeepSpec", "KernelConfig", "LossConfig", "LossOptions", "resolve_impl", "shard_backward", "shard_forward",
-    "vocab_order", "vocab_parallel_loss",
+    "KeepSpec", "KernelConfig", "LossConfig", "LossOptions", "loss_options", "resolve_impl", "shard_backward",
+    "shard_forward", "vocab_order", "vocab_parallel_loss",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
