@@ -20,7 +20,7 @@ import time
 import torch
 
 from megasparse.loss import LossConfig, vocab_order, vocab_parallel_loss
-from megasparse.loss.cce import KernelConfig, triton_shard_backward, triton_shard_forward
+from megasparse.loss.cce_launch import KernelConfig, triton_shard_backward, triton_shard_forward
 
 SHAPES = {"gemma2-2b": (8192, 256000, 2304), "llama3-8b": (8192, 128256, 4096)}
 

@@ -46,7 +46,7 @@ from bench_trainer import gather_floats  # noqa: E402
 
 from megasparse.config import Config  # noqa: E402
 from megasparse.loss import LossConfig, vocab_parallel_loss  # noqa: E402
-from megasparse.loss.cce import backend_for  # noqa: E402
+from megasparse.loss.cce_launch import backend_for  # noqa: E402
 from megasparse.parallel import comm, state  # noqa: E402
 from megasparse.parallel.vocab import GatherRows  # noqa: E402
 

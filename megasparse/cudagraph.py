@@ -45,8 +45,6 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
         return "filter.reference=model runs a second model per micro-batch"
     if cfg.sparsity.enabled and cfg.sparsity.mvue:
         return "sparsity.mvue draws its random seeds on the host"
-    if cfg.loss.impl == "cce":
-        return "loss.impl=cce checks its targets on the host"
     if cfg.loss.vocab_over_pp:
         return "loss.vocab_over_pp"
     return None

@@ -29,6 +29,7 @@ from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
 from megasparse.data.dataset import build_data, iterate_batches
 from megasparse.filtering.component import TokenFilter
+from megasparse.loss import pipeline as vocab_pp
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_mem_gib, peak_tflops
 from megasparse.model.builder import (
     InferenceModel,
@@ -39,7 +40,7 @@ from megasparse.model.builder import (
     resolve_dtype,
 )
 from megasparse.ops.compact import KeepHolder
-from megasparse.parallel import comm, grads, state, vocab_pp
+from megasparse.parallel import comm, grads, state
 from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, lockstep, one_f_one_b
 from megasparse.sparse24.converter import Sparse24Converter
 

@@ -32,11 +32,13 @@ def _losses(overrides: list[str], steps: int = 4) -> tuple[list[float], list[flo
     return [r.loss for r in res], [r.grad_norm for r in res], tr.graphs.active
 
 
-@pytest.mark.parametrize("mode", ["dense", "collider", "2:4"])
+@pytest.mark.parametrize("mode", ["dense", "collider", "2:4", "cce", "collider+cce"])
 @pytest.mark.parametrize("micro", [1, 2])
 def test_captured_step_equals_eager(one_rank, mode: str, micro: int) -> None:
     ov = [f"train.micro_batch_size={micro}"]
-    if mode == "collider":
+    if "cce" in mode:
+        ov += ["loss.impl=cce"]
+    if mode.startswith("collider"):
         ov += ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
     if mode == "2:4":  # masks refreshed every 2 steps: the graph is captured again with the new operands
         ov += [

@@ -180,7 +180,7 @@ def test_vocab_order_ranks_columns_by_mean_logit():
 def test_target_term_with_fp32_de_and_bf16_dw():
     """The row-owned one-hot pass: dE[r] −= gt·W[t_r], dW[t] −= gt·h[r], into an fp32 dE (grad_accum_fp32)
     next to a bf16 dW, with repeated targets and rows whose target lies in another shard."""
-    from megasparse.loss.cce import add_target_term
+    from megasparse.loss.cce_launch import add_target_term
 
     g = torch.Generator().manual_seed(9)
     n, v, d = 37, 11, 8
@@ -198,3 +198,96 @@ def test_target_term_with_fp32_de_and_bf16_dw():
     assert d_e.dtype == torch.float32 and d_c.dtype == torch.bfloat16
     torch.testing.assert_close(d_e.double(), ref_e, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(d_c.double(), ref_c, rtol=2e-2, atol=2e-2)
+
+
+def _compact_grad(h, w, t, cfg, vocab_size, gout, idx):
+    """The filtered backward's compact dE of the kept rows (a KeepHolder filled after the forward, as the trainer)."""
+    from megasparse.ops.compact import CompactGrad, KeepHolder, KeepMeta
+
+    holder = KeepHolder()
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = vocab_parallel_loss(hh, ww, t, cfg, vocab_start=0, vocab_size=vocab_size, keep_idx=holder)
+    holder.meta = KeepMeta(idx, h.shape[0])
+    grads = {}
+    hh.register_hook(lambda g: grads.setdefault("h", g))
+    loss.backward(gout)
+    assert isinstance(grads["h"], CompactGrad)
+    return loss.detach(), grads["h"].rows, ww.grad
+
+
+@pytest.mark.parametrize("impl", ["cce", "torch"])
+@pytest.mark.parametrize("eps", [None, 2.0**-12])
+def test_compact_kept_row_with_ignored_target_gets_zero_row(impl, eps):
+    """Masked labels (e.g. prompt tokens) among the kept rows: zero dE rows, as the materialised loss gives."""
+    h, w, t, gout = inputs(30, 701, 40, seed=11)
+    t[[3, 17]] = -100
+    idx = torch.tensor([1, 3, 4, 10, 17, 29])
+    cfg = LossConfig(impl=impl, filter_eps=eps, backend="torch" if impl == "cce" else None)
+    loss, rows, dw = _compact_grad(h, w, t, cfg, 701, gout, idx)
+    assert rows.shape == (6, 40)
+    assert torch.all(rows[1] == 0) and torch.all(rows[4] == 0) and rows[[0, 2, 3, 5]].abs().sum(1).gt(0).all()
+    mask = torch.zeros(30)
+    mask[idx] = 1
+    _, rdh, rdw = run_ref(h, w, t, 701, gout * mask)
+    tol = 1e-5 if eps is None else 5e-3
+    close(rows, rdh[idx], tol)
+    close(dw, rdw, tol)
+
+
+def test_sp_rows_not_matching_targets_is_one_clear_line():
+    h, w, t, _ = inputs(12, 97, 8, seed=12)
+    with pytest.raises(ValueError, match=r"10 hidden rows × tp 1 .* 10 rows but 12 targets") as e:
+        vocab_parallel_loss(h[:10], w, t, LossConfig(impl="cce"), vocab_start=0, vocab_size=97, sequence_parallel=True)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="11 hidden rows = 11 rows but 12 targets"):
+        vocab_parallel_loss(h[:11], w, t, LossConfig(impl="torch"), vocab_start=0, vocab_size=97)
+
+
+def test_default_filter_threshold_follows_the_dtype():
+    """filter_eps=auto is finfo(dtype).eps / 32: bf16 keeps its 2^-12, fp32 gets 2^-28 instead of bf16's."""
+    from megasparse.loss import loss_options
+    from megasparse.loss.config import filter_threshold
+
+    assert LossConfig().filter_eps == "auto"
+    assert filter_threshold("auto", torch.bfloat16) == 2.0**-12
+    assert filter_threshold("auto", torch.float32) == 2.0**-28
+    assert filter_threshold(None, torch.float32) is None and filter_threshold(1e-3, torch.float32) == 1e-3
+    assert loss_options(LossConfig(), "cce", torch.float32, 10, 0, -100, False).filter_eps == 2.0**-28
+    # flat fp32 logits (every p ~ 1/V, just under bf16's threshold): bf16's threshold drops nearly the whole
+    # softmax gradient, fp32's keeps it
+    h, w, t, gout = inputs(40, 5000, 32, seed=13)
+    h *= 0.01
+    _, exact, _ = run(h, w, t, LossConfig(impl="cce", filter_eps=None, backend="torch"), 5000, gout)
+    _, auto, _ = run(h, w, t, LossConfig(impl="cce", backend="torch"), 5000, gout)
+    _, bf16, _ = run(h, w, t, LossConfig(impl="cce", filter_eps=2.0**-12, backend="torch"), 5000, gout)
+    close(auto, exact, 1e-6)
+    err = float((bf16 - exact).norm() / exact.norm())
+    assert err > 1e-2, err  # the one-hot part dominates dE here; the softmax part it drops is still 1.5%
+
+
+def test_auto_impl_picks_by_materialised_logit_memory():
+    """loss.impl=auto (the default): cce once [rows, V_local] fp32 logits exceed the budget, the materialised
+    loss below it; the reason names both numbers."""
+    from megasparse.config import load_config
+    from megasparse.loss import resolve_impl
+
+    cfg = LossConfig()
+    assert cfg.impl == "auto" and cfg.materialize_budget_gib == 4.0
+    impl, why = resolve_impl(cfg, 8192, 256000)  # 7.8 GiB of fp32 logits: Gemma-2's vocabulary
+    assert impl == "cce" and "7.81 GiB" in why and "materialize_budget_gib=4.0" in why
+    impl, why = resolve_impl(cfg, 8192, 64128)  # 1.96 GiB: Llama-3's vocabulary at TP=2
+    assert impl == "torch" and "1.96 GiB" in why
+    assert resolve_impl(LossConfig(materialize_budget_gib=1.0), 8192, 64128)[0] == "cce"
+    assert resolve_impl(LossConfig(impl="torch"), 8192, 256000)[0] == "torch"
+    assert resolve_impl(LossConfig(impl="cce"), 8, 8)[0] == "cce"
+    assert load_config(None, ["loss.materialize_budget_gib=0.5"]).loss.resolved_impl(8192, 64128) == "cce"
+    with pytest.raises(ConfigError, match="loss.materialize_budget_gib"):
+        LossConfig(materialize_budget_gib=0).validate()
+    # the loss follows the choice: bitwise the materialised loss under the budget, CCE over it
+    h, w, t, gout = inputs(33, 300, 16, seed=14)
+    auto = run(h, w, t, LossConfig(filter_eps=None), 300, gout)
+    mat = run(h, w, t, LossConfig(impl="torch"), 300, gout)
+    over = run(h, w, t, LossConfig(filter_eps=None, materialize_budget_gib=1e-9), 300, gout)
+    cce = run(h, w, t, LossConfig(impl="cce", filter_eps=None), 300, gout)
+    for a, b, c, d in zip(auto, mat, over, cce):
+        assert torch.equal(a, b) and torch.equal(c, d)

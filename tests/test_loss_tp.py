@@ -72,6 +72,14 @@ def _worker(rank: int, world: int, port: int, q) -> None:
                             assert len(bwd) == 1 and bwd[0].numel <= kept_valid * D * world, bwd
                             assert bwd[0].numel < N * D
                     checked += 1
+        # SP: hidden rows × TP that do not cover the targets fail in one line naming both, before any collective
+        try:
+            vocab_parallel_loss(h[:5], shard, t, LossConfig(impl="cce"), vocab_start=start, vocab_size=V,
+                                tp_group=None, sequence_parallel=True)  # fmt: skip
+            checked = -1
+        except ValueError as e:
+            if f"5 hidden rows × tp {world} (sequence parallel) = {5 * world} rows but {N} targets" != str(e)[6:]:
+                raise
         q.put((rank, checked, None))
     except Exception:  # report to the parent instead of hanging it
         import traceback
@@ -102,3 +110,49 @@ def test_tp_equals_single_process(world):
     for rank, checked, err in results:
         assert err is None, f"rank {rank}:\n{err}"
         assert checked == 8
+
+
+def _compact_ignored_worker(impl: str) -> dict:
+    """TP=2 + SP, the trainer's filtered backward: kept rows (a KeepHolder filled after the forward) include rows
+    whose label is ignore_index; the compact dE of this rank's kept rows against the fp64 single-process loss."""
+    from megasparse.ops.compact import CompactGrad, KeepHolder, KeepMeta
+    from megasparse.parallel import state
+
+    lay = state.init(tp=2, pp=1, sequence_parallel=True)
+    h, w, t, gout, keep = _data()
+    t[19] = -100  # kept rows 1 (shard 0) and 19 (shard 1) now have ignored targets
+    start, per, padded = vocab_range(V, state.tp_group())
+    w_pad = torch.cat([w, torch.zeros(padded - V, D)])
+    rows = slice(lay.tp_rank * N // 2, (lay.tp_rank + 1) * N // 2)
+    hh = h[rows].clone().requires_grad_()
+    holder = KeepHolder()
+    cfg = LossConfig(impl=impl, filter_eps=None, backend="torch" if impl == "cce" else None)
+    loss = vocab_parallel_loss(hh, w_pad[start : start + per], t, cfg, vocab_start=start, vocab_size=V,
+                               tp_group=state.tp_group(), sequence_parallel=True, keep_idx=holder)  # fmt: skip
+    holder.meta = KeepMeta(keep, N)
+    got = {}
+    hh.register_hook(lambda g: got.setdefault("g", g))
+    loss.backward(gout)
+    g = got["g"]
+    assert isinstance(g, CompactGrad)
+    mask = torch.zeros(N, dtype=torch.float64)
+    mask[keep] = 1
+    h64, w64 = h.double().requires_grad_(), w.double()
+    lg = h64 @ w64.T
+    valid = t != -100
+    ref = torch.where(valid, torch.logsumexp(lg, 1) - lg.gather(1, t.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    ref.backward(gout.double() * mask)
+    local = h64.grad[rows]
+    return {"rows": g.rows, "idx": g.meta.idx, "ref": local[g.meta.idx], "ignored": (t[rows] == -100)[g.meta.idx]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["cce", "torch"])
+def test_tp2_sp_compact_kept_rows_with_ignored_targets(impl):
+    from distributed import run_distributed
+
+    res = run_distributed(_compact_ignored_worker, 2, impl)
+    assert [int(r["ignored"].sum()) for r in res] == [1, 1]  # one kept row with an ignored target per shard
+    for r in res:
+        assert torch.all(r["rows"][r["ignored"]] == 0)
+        torch.testing.assert_close(r["rows"].double(), r["ref"], rtol=1e-5, atol=1e-6)

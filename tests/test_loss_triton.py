@@ -27,7 +27,7 @@ def _run_cases() -> None:
     import torch
 
     from megasparse.loss import LossConfig, vocab_parallel_loss
-    from megasparse.loss.cce import KernelConfig, triton_shard_backward, triton_shard_forward
+    from megasparse.loss.cce_launch import KernelConfig, triton_shard_backward, triton_shard_forward
     from megasparse.loss.reference import torch_shard_backward
 
     for i, (n, v, pad, d, sc, z, eps, srt) in enumerate(CASES):

@@ -23,7 +23,7 @@ VOCAB_PARAMS = ("embedding.weight", "output_weight")
 
 def _run(overrides: list[str], steps: int) -> dict:
     from megasparse.config import load_config
-    from megasparse.parallel import vocab_pp
+    from megasparse.loss import pipeline as vocab_pp
     from megasparse.parallel.consolidate import full_state_dict
     from megasparse.train import Trainer
 
@@ -136,7 +136,8 @@ def test_bad_embedding_split_is_one_line():
 def _ignored_rows_worker() -> dict:
     """PP=2: the last stage's loss and its peer's slice, with ignore_index rows, against one full-vocab slice."""
     from megasparse.loss import LossConfig
-    from megasparse.parallel import state, vocab_pp
+    from megasparse.loss import pipeline as vocab_pp
+    from megasparse.parallel import state
 
     lay = state.init(tp=1, pp=2)
     g = torch.Generator().manual_seed(3)

@@ -1,19 +1,38 @@
-"""Vocabulary-parallel output loss: Cut Cross-Entropy (``impl=cce``), materialised logits (``impl=torch``), or
-megatron-core's own materialised cross-entropy (``impl=mcore``, the unmodified baseline).
+"""Every output-layer loss: Cut Cross-Entropy (``impl=cce``), materialised logits (``impl=torch``),
+megatron-core's own materialised cross-entropy (``impl=mcore``, the unmodified baseline), chosen per run by
+``impl=auto``, and the pipeline-sliced loss (``pipeline.py``, ``loss.vocab_over_pp``).
 
-``vocab_parallel_loss`` is what the trainer calls. The per-slice pieces (``shard_forward`` /
-``shard_backward``) are exported for callers that split the vocabulary further (pipeline ranks).
+Layout: ``core.py`` (the one loss skeleton, ``KeepSpec``, ``LossOptions``), ``function.py`` (the TP autograd
+Function), ``cce_kernels.py`` (Triton), ``cce_launch.py`` (launchers, backend dispatch), ``reference.py`` (chunked
+torch maths), ``materialized.py`` (whole-logit maths), ``rows.py`` (row helpers), ``mcore.py``, ``pipeline.py``.
+Collectives live in ``megasparse/parallel`` (``vocab.py``, ``vocab_pp_comm.py``); nothing there imports this package.
 """
 
 from __future__ import annotations
 
+import logging
+from functools import cache
+
 from torch import Tensor
 
-from megasparse.loss.cce import CCEOptions, KernelConfig, VocabParallelCCE, shard_backward, shard_forward, vocab_order
-from megasparse.loss.config import LossConfig
-from megasparse.loss.materialized import materialized_loss
+from megasparse.loss.cce_launch import KernelConfig, shard_backward, shard_forward, vocab_order
+from megasparse.loss.config import LossConfig, filter_threshold, resolve_impl
+from megasparse.loss.core import KeepSpec, LossOptions
+from megasparse.loss.function import VocabParallelLoss
+from megasparse.ops.compact import KeepHolder
 
-__all__ = ["LossConfig", "KernelConfig", "shard_backward", "shard_forward", "vocab_order", "vocab_parallel_loss"]
+__all__ = [
+    "KeepSpec", "KernelConfig", "LossConfig", "LossOptions", "loss_options", "resolve_impl", "shard_backward",
+    "shard_forward", "vocab_order", "vocab_parallel_loss",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+
+@cache
+def _log_choice(reason: str) -> None:
+    """Log each distinct impl=auto decision once per process (the shapes of a run are fixed)."""
+    log.info(reason)
 
 
 def vocab_parallel_loss(
@@ -26,36 +45,46 @@ def vocab_parallel_loss(
     vocab_size: int,
     tp_group=None,
     sequence_parallel: bool = False,
-    keep_idx: Tensor | None = None,
+    keep_idx: KeepSpec | KeepHolder | Tensor | None = None,
     ignore_index: int = -100,
 ) -> Tensor:
     """Per-token loss [n] fp32 over all rows of the TP region; gradients flow to ``hidden`` and ``weight``.
 
     ``hidden`` is [n/tp, h] under sequence parallelism (its dE comes back reduce-scattered), else [n, h].
     ``weight`` is this rank's [V_local, h] shard starting at ``vocab_start``; rows past ``vocab_size``
-    are padding and never count. Rows with ``ignore_index`` get loss 0 and no gradient; with
-    ``keep_idx`` only those rows get a gradient (all rows still get a loss).
+    are padding and never count. Rows with ``ignore_index`` get loss 0 and no gradient; ``keep_idx``
+    (a ``KeepSpec``, or what ``KeepSpec.of`` takes) names the rows that get one (all rows still get a loss).
     """
     n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
     targets = targets.reshape(-1)
-    if cfg.impl == "mcore":  # dense backward: a KeepHolder is ignored (config validation rejects collider)
-        from megasparse.parallel.mcore_ce import mcore_vocab_parallel_loss
+    keep = KeepSpec.of(keep_idx)
+    impl, reason = resolve_impl(cfg, targets.numel(), weight.shape[0])
+    if cfg.impl == "auto":
+        _log_choice(reason)
+    if impl == "mcore":  # dense backward: a KeepHolder is ignored (config validation rejects collider)
+        from megasparse.loss.mcore import mcore_vocab_parallel_loss
 
-        if isinstance(keep_idx, Tensor):
+        if keep.idx is not None:
             raise ValueError("loss.impl=mcore has a dense backward: keep_idx is not supported")
         return mcore_vocab_parallel_loss(
             hidden, weight, targets, n_valid=n_valid, group=tp_group, sequence_parallel=sequence_parallel,
             ignore_index=ignore_index,
         )  # fmt: skip
-    if cfg.impl == "torch":
-        return materialized_loss(
-            hidden, weight, targets, vocab_start=vocab_start, n_valid=n_valid, softcap=cfg.softcap,
-            z_loss=cfg.z_loss, group=tp_group, sequence_parallel=sequence_parallel, keep_idx=keep_idx,
-            ignore_index=ignore_index,
+    opt = loss_options(cfg, impl, hidden.dtype, n_valid, vocab_start, ignore_index, sequence_parallel)
+    return VocabParallelLoss.apply(hidden, weight, targets, keep, tp_group, opt)
+
+
+def loss_options(
+    cfg: LossConfig, impl: str, dtype, n_valid: int, vocab_start: int, ignore_index: int, sequence_parallel: bool
+) -> LossOptions:
+    """LossOptions of a resolved impl (cce or torch): backend, filter threshold for ``dtype``, shard geometry."""
+    if impl == "torch":
+        return LossOptions(
+            n_valid=n_valid, vocab_start=vocab_start, softcap=cfg.softcap, z_loss=cfg.z_loss, filter_eps=None,
+            ignore_index=ignore_index, sequence_parallel=sequence_parallel, backend="materialized",
         )  # fmt: skip
-    opt = CCEOptions(
+    return LossOptions(
         n_valid=n_valid, vocab_start=vocab_start, softcap=cfg.softcap, z_loss=cfg.z_loss,
-        filter_eps=cfg.filter_eps, sort_vocab=cfg.sort_vocab, accum_fp32=cfg.grad_accum_fp32,
+        filter_eps=filter_threshold(cfg.filter_eps, dtype), sort_vocab=cfg.sort_vocab, accum_fp32=cfg.grad_accum_fp32,
         ignore_index=ignore_index, sequence_parallel=sequence_parallel, backend=cfg.backend,
     )  # fmt: skip
-    return VocabParallelCCE.apply(hidden, weight, targets, keep_idx, tp_group, opt)

@@ -48,12 +48,13 @@ def embedding_rows(cfg: Config, vocab: int) -> list[int] | None:
     lay = state.layout()
     if not (cfg.loss.vocab_over_pp and cfg.loss.embedding_over_pp and lay.pp > 1):
         return None
-    from megasparse.parallel import planner, vocab_pp
+    from megasparse.parallel import planner
+    from megasparse.parallel.embedding_pp import stage_rows
 
     split = cfg.parallel.stage_layers(cfg.model.num_layers)
     shares = planner.embedding_shares(cfg, split, vocab, lay.dp)
     unit = cfg.model.make_vocab_divisible_by * lay.tp
-    return vocab_pp.stage_rows(cfg.padded_vocab(vocab), shares, unit)
+    return stage_rows(cfg.padded_vocab(vocab), shares, unit)
 
 
 def build_model(

@@ -15,18 +15,19 @@ from torch import nn
 
 from megasparse.loss import vocab_parallel_loss
 from megasparse.loss.config import LossConfig
+from megasparse.loss.pipeline import slice_range, vocab_pp_loss
 from megasparse.model.config import ModelConfig
 from megasparse.ops.attention import attention, rope_tables
 from megasparse.ops.compact import KeepHolder
 from megasparse.ops.rowwise import rms_norm, swiglu
 from megasparse.parallel import state
+from megasparse.parallel.embedding_pp import PPEmbedding
 from megasparse.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     padded_vocab_init,
 )
-from megasparse.parallel.vocab_pp import PPEmbedding, slice_range, vocab_pp_loss
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +129,7 @@ class GPTStage(nn.Module):
         start = sum(layers_per_stage[: lay.pp_rank])
         self.layer_ids = list(range(start, start + layers_per_stage[lay.pp_rank]))
         kw = dict(seed=seed, device=device, sequence_parallel=sequence_parallel, compute_dtype=compute_dtype)
-        # loss.vocab_over_pp: every pipeline rank holds a slice of the output layer (parallel/vocab_pp.py),
+        # loss.vocab_over_pp: every pipeline rank holds a slice of the output layer (loss/pipeline.py),
         # and with loss.embedding_over_pp a slice of the input embedding, which the trainer drives per step
         self.vocab_pp = self.loss_cfg.vocab_over_pp and lay.pp > 1
         self.embedding_pp = self.vocab_pp and self.loss_cfg.embedding_over_pp

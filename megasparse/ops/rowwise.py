@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megasparse.ops.compact import CompactGrad, rows_of
+from megasparse.ops.glu import glu_backward_triton, glu_forward_triton
 from megasparse.ops.rmsnorm_kernels import (
     rms_backward,
     rms_backward_reference,
@@ -17,7 +18,6 @@ from megasparse.ops.rmsnorm_kernels import (
     rms_forward_reference,
     triton,
 )
-from megasparse.ops.glu import glu_backward_triton, glu_forward_triton
 
 
 def _rms_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

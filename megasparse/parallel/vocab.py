@@ -49,12 +49,17 @@ def gather_rows(h: Tensor, group, sequence_parallel: bool) -> Tensor:
     return comm.all_gather(h, group, GROUP, dim=0, region=REGION_GATHER)
 
 
-def merge_shard_stats(lse: Tensor, tgt: Tensor, group) -> tuple[Tensor, Tensor]:
-    """Global (lse, target logit) per token from every shard's pieces; O(tp·n) bytes, one collective."""
-    if tp_size(group) == 1:
+def merge_shard_stats(
+    lse: Tensor, tgt: Tensor, group, kind: str = GROUP, region: str = REGION_STATS
+) -> tuple[Tensor, Tensor]:
+    """Global (lse, target logit) per token from every shard's pieces; O(shards·n) bytes, one collective.
+
+    ``group``/``kind``: the TP group for the TP loss, the model-parallel group (``mp``) for the pipeline slices."""
+    n = comm.world_size(group)
+    if n == 1:
         return lse, tgt
-    parts = comm.all_gather(torch.stack([lse.float(), tgt.float()]), group, GROUP, dim=0, region=REGION_STATS)
-    parts = parts.view(tp_size(group), 2, -1)
+    parts = comm.all_gather(torch.stack([lse.float(), tgt.float()]), group, kind, dim=0, region=region)
+    parts = parts.view(n, 2, -1)
     return torch.logsumexp(parts[:, 0], dim=0), parts[:, 1].sum(0)
 
 
@@ -95,14 +100,12 @@ def reduce_kept_grad(d_rows: Tensor, rows: Tensor | None, n_total: int, group, s
     return out
 
 
-def compact_kept_grad(d_rows: Tensor, rows: Tensor, meta, group, sequence_parallel: bool, h_shape) -> Tensor:
-    """dE of the kept rows as a compact gradient for the filtered backward (only kept rows travel)."""
+def compact_kept_grad(d_rows: Tensor, meta, group, sequence_parallel: bool, h_shape) -> Tensor:
+    """dE of the kept rows (``meta.idx`` order, one row each) as a compact gradient: only kept rows travel."""
     from megasparse.ops.compact import CompactGrad
     from megasparse.parallel import rows as rowops
     from megasparse.parallel import state
 
-    if rows.numel() != meta.idx.numel():
-        raise ValueError("compact dE needs every kept row to have a valid target (no ignore_index among kept rows)")
     lay = state.layout()
     with comm.phase("backward"):
         if sequence_parallel and tp_size(group) > 1:

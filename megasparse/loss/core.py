@@ -1,0 +1,119 @@
+"""The one loss core every output loss is built from (TP loss, pipeline-sliced loss; CCE and materialised maths).
+
+Per token: loss = lse − target logit (+ z·lse²), 0 on ``ignore_index`` rows. A vocabulary slice contributes
+partial (lse, target logit) statistics (``slice_stats``: merged by the caller's collective) and, given the merged
+lse and the per-token loss gradient, its (dE, dC) (``slice_grads``). Which maths computes a slice is the backend
+in ``LossOptions`` (``cce_launch.shard_forward``); which rows get a gradient is a ``KeepSpec``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from megasparse.loss.cce_launch import shard_backward, shard_forward, vocab_order
+from megasparse.loss.rows import local_targets, rows_or_all, rows_to_all, valid_rows
+from megasparse.ops.compact import KeepHolder
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """What the loss needs from LossConfig (resolved: impl, backend and filter threshold) plus the shard geometry."""
+
+    n_valid: int
+    vocab_start: int
+    softcap: float | None = None
+    z_loss: float = 0.0
+    filter_eps: float | None = 2.0**-12
+    sort_vocab: bool = False
+    accum_fp32: bool = False
+    ignore_index: int = -100
+    sequence_parallel: bool = False
+    backend: str | None = None
+    """triton, torch (chunked reference), materialized, or None (triton on CUDA, torch on CPU)."""
+
+    @property
+    def drop_ignored(self) -> bool:
+        """CCE backends drop ignored rows before any kernel; the materialised one zeroes their gradient instead
+        (no host synchronisation in its backward), and so does CCE inside a CUDA-graph capture (finding the rows
+        to drop reads the device on the host, which a captured step cannot: megasparse/cudagraph.py)."""
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return self.backend != "materialized" and not capturing
+
+
+@dataclass(frozen=True)
+class KeepSpec:
+    """Which rows get a gradient (every row still gets a loss).
+
+    ``idx``: rows known at forward time (dense dE out, zero elsewhere). ``holder``: a ``KeepHolder`` whose
+    ``meta`` the trainer's selection fills after the forward (compact dE of the kept rows out; an empty holder
+    means a dense backward). Neither: every row."""
+
+    idx: Tensor | None = None
+    holder: KeepHolder | None = None
+
+    @classmethod
+    def of(cls, keep: KeepSpec | KeepHolder | Tensor | None) -> KeepSpec:
+        """Normalise what callers pass (an index tensor, a holder, a spec or None)."""
+        if isinstance(keep, KeepSpec):
+            return keep
+        if isinstance(keep, Tensor):
+            return cls(idx=keep)
+        return cls(holder=keep) if keep is not None else cls()
+
+    @property
+    def meta(self):
+        """The holder's kept-row metadata once selection filled it (compact backward), else None."""
+        return self.holder.meta if self.holder is not None else None
+
+
+def token_loss(lse: Tensor, tgt: Tensor, z_loss: float) -> Tensor:
+    """Per-token loss from merged statistics: lse − target logit + z·lse²."""
+    loss = lse - tgt
+    return loss + z_loss * lse * lse if z_loss else loss
+
+
+def zloss_grad(g: Tensor, lse: Tensor, z_loss: float) -> Tensor:
+    """Scale of the softmax part of the logit gradient: d(lse + z·lse²)/d lse = 1 + 2z·lse."""
+    return g * (1 + 2 * z_loss * lse) if z_loss else g
+
+
+Merge = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def slice_stats(h: Tensor, w: Tensor, targets: Tensor, opt: LossOptions, merge: Merge) -> tuple[Tensor, Tensor, int]:
+    """Merged per-token (lse, target logit) [n] over every slice (0 on dropped ignored rows) and the rows computed.
+
+    Every rank builds the same targets, so every rank drops the same ignored rows before its kernels and the
+    collective inside ``merge`` carries valid rows only."""
+    n = h.shape[0]
+    rows = valid_rows(targets, opt.ignore_index) if opt.drop_ignored else None
+    hv = rows_or_all(h, rows)
+    tv = local_targets(rows_or_all(targets, rows), opt.vocab_start, opt.n_valid)
+    lse_l, tgt_l = shard_forward(hv, w, tv, opt.n_valid, opt.softcap, opt.backend)
+    lse, tgt = merge(lse_l.float(), tgt_l.float())
+    return rows_to_all(lse, rows, n), rows_to_all(tgt, rows, n), hv.shape[0]
+
+
+def slice_grads(
+    h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, g: Tensor, opt: LossOptions
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(dE of the rows that count, this slice's dC, those rows' indices into ``h`` or None for all).
+
+    ``h``/``targets``/``lse``/``g`` are the rows that get a gradient; ignored ones among them get none (dropped,
+    or, in the materialised backend, kept with a zero gradient)."""
+    rows = valid_rows(targets, opt.ignore_index) if opt.drop_ignored else None
+    h, targets, lse, g = (rows_or_all(t, rows) for t in (h, targets, lse, g))
+    if not opt.drop_ignored:
+        g = torch.where(targets != opt.ignore_index, g, torch.zeros_like(g))
+    gs = zloss_grad(g, lse, opt.z_loss)
+    sort = opt.sort_vocab and opt.filter_eps is not None and opt.drop_ignored
+    perm = vocab_order(h, w, opt.n_valid) if sort else None
+    t = local_targets(targets, opt.vocab_start, opt.n_valid)
+    d_e, d_c = shard_backward(
+        h, w, t, lse, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, opt.backend
+    )
+    return d_e, d_c, rows
