@@ -75,6 +75,19 @@ def test_score_stream_windows(seq_len: int, overlap: int, batch: int) -> None:
     np.testing.assert_allclose(got, expect, rtol=1e-6)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_score_stream_shards_over_ranks(world: int, capsys) -> None:
+    """`ref score` under torchrun: each rank scores its share of windows; their sum is the whole stream."""
+    tokens = np.random.default_rng(1).integers(0, VOCAB, size=517)
+    lm = NgramLM.fit(tokens, VOCAB, order=3, eod_id=EOD)
+    whole = ref_cli.score_stream(lm.token_losses, tokens, 32, 2, 8)
+    parts = [ref_cli.score_stream(lm.token_losses, tokens, 32, 2, 8, rank=r, world=world) for r in range(world)]
+    assert all(np.count_nonzero(p) < np.count_nonzero(whole) for p in parts)  # each rank did only a share
+    np.testing.assert_array_equal(np.sum(parts, axis=0), whole)
+    ref_cli.score_stream(lm.token_losses, tokens, 32, 2, 8, progress=True)
+    assert "tok/s" in capsys.readouterr().err  # the progress bar: tokens/s and time left
+
+
 def test_ref_errors_are_one_line(tmp_path, capsys) -> None:
     assert cli_main(["ref", "ngram", "--data", str(tmp_path / "nope"), "--vocab-size", "10", "--out", "x.npz"]) == 2
     err = capsys.readouterr().err.strip()

@@ -74,6 +74,9 @@ def score_stream(
     batch_size: int = 8,
     overlap: int | None = None,
     device: str | torch.device = "cpu",
+    rank: int = 0,
+    world: int = 1,
+    progress: bool = False,
 ) -> np.ndarray:
     """Per-token losses of a flat stream with a causal scorer that sees ``seq_len`` tokens at a time.
 
@@ -81,6 +84,10 @@ def score_stream(
     the window. Windows overlap by ``overlap`` tokens (default seq_len // 4) and only positions with at least
     that much context are kept, so every token but the first ``overlap`` of the stream is scored with
     ``overlap``+ tokens of context. Token 0 has no prefix and gets 0.
+
+    With ``world`` > 1 this rank scores every ``world``-th batch of windows (starting at ``rank``) and leaves the
+    other tokens 0: every token belongs to exactly one window, so summing the ranks' arrays gives the stream.
+    ``progress`` shows a bar with tokens/s and the time left (on stderr).
     """
     overlap = seq_len // 4 if overlap is None else overlap
     if not 0 <= overlap < seq_len:
@@ -89,7 +96,13 @@ def score_stream(
     stride = seq_len - overlap
     starts = list(range(0, max(n - overlap, 1), stride))
     out = np.zeros(n, dtype=np.float32)
-    for i in range(0, len(starts), batch_size):
+    batches = list(range(0, len(starts), batch_size))[rank::world]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, unit="tok", unit_scale=True, desc="ref score", mininterval=2.0, file=sys.stderr)
+    for i in batches:
         group = starts[i : i + batch_size]
         win = np.zeros((len(group), seq_len), dtype=np.int64)
         for r, st in enumerate(group):
@@ -101,6 +114,10 @@ def score_stream(
             lo = 0 if st == 0 else overlap
             hi = min(seq_len, n - st)
             out[st + lo : st + hi] = losses[r, lo:hi]
+        if bar is not None:  # every rank scores about the same share: this rank's progress times world
+            bar.update(min(n - bar.n, world * sum(min(stride, n - st) for st in group)))
+    if bar is not None:
+        bar.close()
     if n:
         out[0] = 0.0
     return out
@@ -158,21 +175,34 @@ def _cmd_score(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = ap.parse_args(argv)
+    import torch.distributed as dist
+
     from megasparse.config import load_config
     from megasparse.data.indexed import IndexedDataset
+    from megasparse.parallel import comm
     from megasparse.train import load_model_for_inference
 
     cfg = load_config(args.config, args.overrides)
-    model = load_model_for_inference(cfg, args.checkpoint)
+    model = load_model_for_inference(cfg, args.checkpoint)  # under torchrun: one replica per rank
     prefix = _resolve_prefix(args.data, None)
     ds = IndexedDataset(prefix)
     device = next(model.parameters()).device if hasattr(model, "parameters") else "cpu"
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    t0 = time.time()
     losses = score_stream(
-        model.token_losses, ds.tokens, cfg.model.seq_length, args.batch_size, args.overlap, device=device
-    )
-    write_sidecar(args.out, prefix, losses, dtype=args.dtype)
-    print(f"{'tokens':>10} {'mean NLL (nats)':>16}  sidecar")
-    print(f"{ds.num_tokens:>10} {float(losses.mean()) if losses.size else 0.0:>16.4f}  {args.out}")
+        model.token_losses, ds.tokens, cfg.model.seq_length, args.batch_size, args.overlap, device=device,
+        rank=rank, world=world, progress=rank == 0,
+    )  # fmt: skip
+    if world > 1:  # each rank scored its own windows; every token in exactly one of them
+        t = torch.from_numpy(losses).to(device)
+        comm.all_reduce(t, None, "world", region="ref.score")
+        losses = t.cpu().numpy()
+    if rank == 0:
+        write_sidecar(args.out, prefix, losses, dtype=args.dtype)
+        secs = time.time() - t0
+        print(f"{'tokens':>10} {'mean NLL (nats)':>16} {'tokens/s':>10} {'ranks':>6}  sidecar")
+        mean = float(losses.mean()) if losses.size else 0.0
+        print(f"{ds.num_tokens:>10} {mean:>16.4f} {ds.num_tokens / max(secs, 1e-9):>10.0f} {world:>6}  {args.out}")
     return 0
 
 
