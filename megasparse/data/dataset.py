@@ -208,6 +208,10 @@ def iterate_batches(
         g += per_round
 
 
+MILTON = "builtin:milton"
+"""The bundled reference corpus (Milton), tokenized with builtin:shakespeare's tokenizer: a reference model's data."""
+
+
 def _is_builtin(spec: str | None) -> bool:
     return bool(spec) and spec.startswith(BUILTIN_PREFIX)
 
@@ -215,8 +219,9 @@ def _is_builtin(spec: str | None) -> bool:
 def _builtin(data_cfg: DataConfig, rank0_builds: bool):
     from megasparse.data.builtin import ensure_builtin
 
+    name = data_cfg.prefix if _is_builtin(data_cfg.prefix) else data_cfg.tokenizer
     return ensure_builtin(
-        data_cfg.prefix if _is_builtin(data_cfg.prefix) else data_cfg.tokenizer,
+        "builtin:shakespeare" if name == MILTON else name,  # the reference corpus is built with shakespeare's
         cache_dir=data_cfg.cache_dir,
         vocab_size=data_cfg.tokenizer_vocab,
         builder=None if rank0_builds else True,
@@ -241,9 +246,10 @@ def build_datasets(
         if _is_builtin(prefix):
             if not _is_builtin(tok_spec):
                 raise ConfigError(
-                    f"data.prefix={prefix} is tokenized with the built-in tokenizer; set data.tokenizer={prefix}"
+                    f"data.prefix={prefix} is tokenized with the built-in tokenizer; "
+                    "set data.tokenizer=builtin:shakespeare"
                 )
-            prefix = paths.prefix
+            prefix = paths.reference_prefix if prefix == MILTON else paths.prefix
         if _is_builtin(tok_spec):
             tok_spec = str(paths.tokenizer)
     info = tokenizer_info(tok_spec)

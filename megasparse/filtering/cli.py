@@ -174,7 +174,7 @@ def _cmd_score(argv: list[str]) -> int:
     ap.add_argument("--overlap", type=int, default=None, help="context tokens carried between windows")
     ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     import torch.distributed as dist
 
     from megasparse.config import load_config
