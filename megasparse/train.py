@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
 from megasparse.config import Config, ConfigError, dump_config, load_config
+from megasparse.guard import NonFiniteGuard
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_mem_gib, peak_tflops
 from megasparse.model.gpt import GPTStage
 from megasparse.ops.compact import KeepHolder, KeepMeta
@@ -152,6 +153,7 @@ class Trainer:
         self.p2p = StageComm(spec)
         self.step = 0
         self.consumed = 0
+        self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)  # reliability: skip non-finite steps
         self.flops_tok = flops_per_token(m, self.vocab_padded)
         self.peak = peak_tflops(self.device)
         self.out_dir = Path(cfg.logging.out_dir)
@@ -381,6 +383,13 @@ class Trainer:
             g["lr"] = lr
         loss_sum, tokens = self.compute_gradients()
         gnorm = self._grad_norm()
+        loss = self._global_mean(loss_sum, tokens)
+        # reliability: a non-finite step is skipped before clipping/decay/optimizer.step touch any state
+        if self.guard.check(self.step + 1, loss, gnorm, log0):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.consumed += self.cfg.train.global_batch_size
+            return StepResult(loss, gnorm, lr, tokens, time.perf_counter() - t0, {"skipped": self.guard.total})
         clip = self.cfg.optim.grad_clip
         if clip > 0 and gnorm > clip:
             torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], clip / (gnorm + 1e-6))
@@ -393,7 +402,6 @@ class Trainer:
             if rates:
                 extra["flip_rate"] = rates
             extra["sparse"] = self.sparsity.sparse
-        loss = self._global_mean(loss_sum, tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.step += 1
@@ -415,7 +423,7 @@ class Trainer:
             extra["sparsity_dense"] = torch.tensor(int(self.sparsity.dense))
         return extra
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
         return ckpt.save(
             self.out_dir / "checkpoints",
             self.step,
@@ -438,12 +446,20 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if cfg.checkpoint.resume:
-            self.resume(cfg.checkpoint.resume)
+        resume = ckpt.resume_target(cfg.checkpoint.resume, self.out_dir, log0)  # reliability: resume=auto
+        if resume:
+            self.resume(resume)
         if rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out_dir / "config.yaml")
-        log = MetricsLog(str(self.out_dir), rank0, resume=bool(cfg.checkpoint.resume))
+        log = MetricsLog(
+            str(self.out_dir),
+            rank0,
+            resume_step=self.step if resume else None,
+            tensorboard=cfg.logging.tensorboard,
+            wandb_project=cfg.logging.wandb_project,
+            config=cfg.to_dict(),
+        )
         n_world = dist.get_world_size() if dist.is_initialized() else 1
         log0(
             f"megasparse: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, vocab {self.vocab} "
@@ -477,7 +493,11 @@ class Trainer:
             si = cfg.checkpoint.save_interval
             if (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end):
                 where = self.save()
-                log0(f"saved checkpoint {where}")
+                log0(
+                    f"saved checkpoint {where}"
+                    if where
+                    else f"step {self.step}: non-finite state, checkpoint not saved"
+                )
         log.close()
         return history
 
@@ -539,8 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(cfg_path, overrides)
         trainer = Trainer(cfg)
         trainer.fit()
-    except ConfigError as e:
-        print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
+    except ConfigError as e:  # one line, once (rank 0), exit 2 without a traceback for torchrun to bury it under
+        if state.world_env()[0] == 0:
+            print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
         if dist.is_initialized():
