@@ -184,12 +184,12 @@ def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict, keep
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
     sd = model_state(model, optimizer, extra)
     if not all_finite(sd):  # never write, or rotate in, a checkpoint that would resume into NaN
         return None
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
     dcp.save(sd, checkpoint_id=str(tmp))
