@@ -254,6 +254,8 @@ def test_cuda_without_cuda():
 
 
 def test_unwritable_out_dir(tmp_path):
+    (tmp_path / "file").write_text("")
+    check([f"logging.out_dir={tmp_path}/file/run"], "is not a directory")
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
@@ -263,8 +265,6 @@ def test_unwritable_out_dir(tmp_path):
         check([f"logging.out_dir={ro}/run"], "is not writable")
     finally:
         ro.chmod(0o700)
-    (tmp_path / "file").write_text("")
-    check([f"logging.out_dir={tmp_path}/file/run"], "is not a directory")
 
 
 def test_empty_yaml_is_an_error(tmp_path):
