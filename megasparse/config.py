@@ -49,6 +49,8 @@ class TrainConfig:
     cuda_graphs: bool = True
     """Capture one micro-batch's forward, selection and backward in a CUDA graph and replay it (single-stage CUDA
     runs whose step reads nothing on the host: megasparse/cudagraph.py says which); otherwise run eagerly."""
+    max_skipped_steps: int = 10
+    """Stop (exit 2) after this many consecutive steps with a non-finite loss or gradient norm; each is skipped."""
 
 
 @dataclass
@@ -74,7 +76,8 @@ class CheckpointConfig:
     """Save every this many steps (0: only at the end if ``save_at_end``)."""
     save_at_end: bool = True
     resume: str | None = None
-    """Directory to resume from: a run's out_dir (latest step) or one step-N directory."""
+    """Directory to resume from: a run's out_dir (latest step) or one step-N directory; ``auto``: the latest
+    valid checkpoint of logging.out_dir, else a fresh start (one command for the first launch and restarts)."""
     keep_last: int = 2
 
 
@@ -85,6 +88,9 @@ class LoggingConfig:
     out_dir: str = "runs/default"
     log_interval: int = 1
     tensorboard: bool = False
+    """Also write the metrics with TensorBoard's SummaryWriter (<out_dir>/tensorboard; needs the package)."""
+    wandb_project: str | None = None
+    """Also log the metrics to this Weights & Biases project (needs the wandb package)."""
 
 
 @dataclass
@@ -130,6 +136,7 @@ class Config:
             )
         if self.optim.warmup_steps < 0 or self.optim.lr <= 0:
             raise ConfigError("optim.lr must be > 0 and optim.warmup_steps >= 0")
+        self._validate_operations()
         self.data.validate()
         self.loss.validate()
         self.filter.validate()
@@ -151,6 +158,32 @@ class Config:
             )
         return dp
 
+    def _validate_operations(self) -> None:
+        """Values that used to crash mid-run (ZeroDivisionError, val NaN) or be silently accepted."""
+        t, o, lg = self.train, self.optim, self.logging
+        for name, v in (("grad_clip", o.grad_clip), ("weight_decay", o.weight_decay), ("min_lr", o.min_lr)):
+            if v < 0:
+                raise ConfigError(f"optim.{name}={v} must be >= 0")
+        if lg.log_interval < 1:
+            raise ConfigError(f"logging.log_interval={lg.log_interval} must be >= 1 (print every N steps)")
+        if t.eval_interval < 0 or (t.eval_interval and t.eval_batches < 1):
+            raise ConfigError(
+                f"train.eval_batches={t.eval_batches} must be >= 1 while train.eval_interval={t.eval_interval} "
+                "(set train.eval_interval=0 to turn evaluation off)"
+            )
+        if t.max_skipped_steps < 1:
+            raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
+        if self.checkpoint.keep_last < 0 or self.checkpoint.save_interval < 0:
+            raise ConfigError("checkpoint.keep_last and checkpoint.save_interval must be >= 0")
+        import torch
+
+        if not torch.cuda.is_available():
+            if t.device == "cuda":
+                raise ConfigError("train.device=cuda but CUDA is not available here; use train.device=cpu or auto")
+            if self.parallel.backend == "nccl":
+                raise ConfigError("parallel.backend=nccl needs CUDA, which is not available here; use gloo or auto")
+        writable_dir(lg.out_dir, "logging.out_dir")
+
     def num_microbatches(self, dp: int) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * dp)
 
@@ -164,6 +197,18 @@ class Config:
         return to_dict(self)
 
 
+def writable_dir(path: str | os.PathLike, what: str) -> None:
+    """ConfigError unless ``path`` exists as a writable directory or can be created (checked, not created)."""
+    p = Path(path).absolute()
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{what}={path}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}={path} is not writable ({probe} denies write access)")
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (or defaults when ``path`` is None) and apply ``key.sub=value`` overrides."""
     data: dict = {}
@@ -172,9 +217,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
         if not p.exists():
             raise ConfigError(f"config file '{path}' does not exist; see configs/ for examples")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
+        if data is None:  # an empty file is almost always a mistake (wrong path, truncated copy)
+            raise ConfigError(
+                f"config file '{path}' is empty; give at least one section, or omit the file to train the defaults"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections")
     for ov in overrides:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
+import sys
 from pathlib import Path
 
 import torch
@@ -46,24 +48,103 @@ def peak_mem_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-class MetricsLog:
-    """Writes one JSON object per step to <out_dir>/metrics.jsonl (rank 0 only)."""
+def strict_json(v):
+    """``v`` with NaN/inf floats as None, so every line of metrics.jsonl is valid JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: strict_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [strict_json(x) for x in v]
+    return v
 
-    def __init__(self, out_dir: str, enabled: bool, resume: bool = False):
+
+def truncate_after(path: Path, step: int) -> int:
+    """Keep the records of steps <= ``step`` (a resume replays the later ones); returns how many were dropped."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut by a kill mid-write
+            dropped += 1
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    path.write_text("".join(x + "\n" for x in kept))
+    return dropped
+
+
+class MetricsLog:
+    """Writes one JSON object per step to <out_dir>/metrics.jsonl (rank 0 only), and to TensorBoard / W&B
+    when asked. ``resume_step``: continue the file after dropping records past the resumed step."""
+
+    def __init__(
+        self,
+        out_dir: str,
+        enabled: bool,
+        resume_step: int | None = None,
+        tensorboard: bool = False,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+    ):
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
-        if enabled:
-            os.makedirs(out_dir, exist_ok=True)
-            self.f = open(self.path, "a" if resume else "w")  # noqa: SIM115
+        self.tb = self.wandb = None
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        if resume_step is not None:
+            truncate_after(self.path, resume_step)
+        self.f = open(self.path, "a" if resume_step is not None else "w")  # noqa: SIM115
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print(
+                    "logging.tensorboard=true but the tensorboard package is missing (pip install tensorboard); "
+                    "metrics go to metrics.jsonl only",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                self.tb = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                print(
+                    f"logging.wandb_project={wandb_project} but the wandb package is missing (pip install wandb); "
+                    "metrics go to metrics.jsonl only",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                self.wandb = wandb.init(project=wandb_project, dir=out_dir, config=config, resume="allow")
 
     def write(self, rec: dict) -> None:
-        if self.enabled:
-            self.f.write(json.dumps(rec) + "\n")
-            self.f.flush()
+        if not self.enabled:
+            return
+        clean = strict_json(rec)
+        self.f.write(json.dumps(clean, allow_nan=False) + "\n")
+        self.f.flush()
+        scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, rec["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=rec["step"])
 
     def close(self) -> None:
         if self.enabled:
             self.f.close()
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def format_line(rec: dict) -> str:
@@ -83,3 +164,20 @@ def format_line(rec: dict) -> str:
     if rec.get("val_loss") is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
     return " | ".join(parts)
+
+
+def step_record(
+    step: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float, flops_tok: float, peak, device
+) -> dict:
+    """The per-step metrics line (metrics.jsonl and the console): throughput per GPU, TFLOP/s, MFU, peak memory."""
+    tflops = tokens_per_s * flops_tok / 1e12
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak if peak else None,
+        "mem_gib": peak_mem_gib(device),
+    }

@@ -14,7 +14,6 @@ Features plug in rather than being wired here: the model comes from ``model/buil
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,13 +28,15 @@ from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
 from megasparse.data.dataset import build_data, iterate_batches
 from megasparse.filtering.component import TokenFilter
+from megasparse.guard import NonFiniteGuard
 from megasparse.loss import pipeline as vocab_pp
-from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_mem_gib, peak_tflops
+from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_tflops, step_record
 from megasparse.model.builder import (
     InferenceModel,
     build_model,
     build_optimizer,
     load_model_for_inference,
+    lr_at,
     resolve_device,
     resolve_dtype,
 )
@@ -110,6 +111,7 @@ class Trainer:
         self.p2p = StageComm(spec)
         self.step = 0
         self.consumed = 0
+        self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)  # reliability: skip non-finite steps
         self.flops_tok = flops_per_token(m, self.vocab_padded)
         self.peak = peak_tflops(self.device)
         self.out_dir = Path(cfg.logging.out_dir)
@@ -121,13 +123,6 @@ class Trainer:
         return [next(it).to(self.device, pin=self.device.type == "cuda") for _ in range(count)]
 
     # -- one optimizer step ---------------------------------------------------------------------
-    def lr_at(self, step: int) -> float:
-        o, total = self.cfg.optim, self.cfg.train.steps
-        if o.warmup_steps and step < o.warmup_steps:
-            return o.lr * (step + 1) / o.warmup_steps
-        frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
-        return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
-
     def _forward_backward(self, batches: list[Batch], train: bool) -> tuple[float, int]:
         """Run the pipeline over ``batches``; returns (sum of per-token losses on this rank, tokens)."""
         tokens_per_mb = self.cfg.train.micro_batch_size * self.cfg.model.seq_length
@@ -206,11 +201,18 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
-        lr = self.lr_at(self.step)
+        lr = lr_at(self.cfg, self.step)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         loss_sum, tokens = self.compute_gradients()
         gnorm = self._grad_norm()
+        loss = self._global_mean(loss_sum, tokens)
+        # reliability: a non-finite step is skipped before clipping/decay/optimizer.step touch any state
+        if self.guard.check(self.step + 1, loss, gnorm, log0):
+            self.optimizer.zero_grad(set_to_none=not self.graphs.active)
+            self.step += 1
+            self.consumed += self.cfg.train.global_batch_size
+            return StepResult(loss, gnorm, lr, tokens, time.perf_counter() - t0, {"skipped": self.guard.total})
         clip = self.cfg.optim.grad_clip
         if clip > 0 and gnorm > clip:
             torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], clip / (gnorm + 1e-6))
@@ -218,7 +220,6 @@ class Trainer:
             self.sparsity.pre_optimizer_step()
         self.optimizer.step()
         extra = {} if self.sparsity is None else self.sparsity.post_optimizer_step(self.step + 1)
-        loss = self._global_mean(loss_sum, tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.step += 1
@@ -239,7 +240,7 @@ class Trainer:
             extra.update(self.sparsity.extra_state())
         return extra
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
         return ckpt.save(
             self.out_dir / "checkpoints",
             self.step,
@@ -261,12 +262,20 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if cfg.checkpoint.resume:
-            self.resume(cfg.checkpoint.resume)
+        resume = ckpt.resume_target(cfg.checkpoint.resume, self.out_dir, log0)  # reliability: resume=auto
+        if resume:
+            self.resume(resume)
         if rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out_dir / "config.yaml")
-        log = MetricsLog(str(self.out_dir), rank0, resume=bool(cfg.checkpoint.resume))
+        log = MetricsLog(
+            str(self.out_dir),
+            rank0,
+            resume_step=self.step if resume else None,
+            tensorboard=cfg.logging.tensorboard,
+            wandb_project=cfg.logging.wandb_project,
+            config=cfg.to_dict(),
+        )
         n_world = dist.get_world_size() if dist.is_initialized() else 1
         log0(
             f"megasparse: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, vocab {self.vocab} "
@@ -278,19 +287,8 @@ class Trainer:
         while self.step < cfg.train.steps:
             r = self.train_step()
             tok_s = r.tokens * self.dp / r.seconds / n_world  # global tokens over all GPUs, per GPU
-            tflops = tok_s * self.flops_tok / 1e12
-            rec = {
-                "step": self.step,
-                "loss": r.loss,
-                "grad_norm": r.grad_norm,
-                "lr": r.lr,
-                "tokens_per_s": tok_s,
-                "tflops_per_gpu": tflops,
-                "mfu": tflops / self.peak if self.peak else None,
-                "mem_gib": peak_mem_gib(self.device),
-                "step_time_s": r.seconds,
-            }
-            rec.update(r.extra)
+            rec = step_record(self.step, r.loss, r.grad_norm, r.lr, tok_s, self.flops_tok, self.peak, self.device)
+            rec.update(step_time_s=r.seconds, **r.extra)
             if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps):
                 rec["val_loss"] = self.evaluate()
             history.append(rec)
@@ -300,7 +298,7 @@ class Trainer:
             si = cfg.checkpoint.save_interval
             if (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end):
                 where = self.save()
-                log0(f"saved checkpoint {where}")
+                log0(f"saved checkpoint {where}" if where else f"step {self.step}: non-finite state, not saved")
         log.close()
         return history
 
@@ -335,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(cfg_path, overrides)
         trainer = Trainer(cfg)
         trainer.fit()
-    except ConfigError as e:
-        print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
+    except ConfigError as e:  # one line, once (rank 0), exit 2 without a traceback for torchrun to bury it under
+        if state.world_env()[0] == 0:
+            print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
         if dist.is_initialized():

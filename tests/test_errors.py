@@ -19,6 +19,7 @@ TINY = [
     "model.num_layers=2",
     "train.steps=1",
     "train.device=cpu",
+    "parallel.backend=gloo",  # a GPU host would otherwise pick NCCL for these CPU tensors
 ]
 
 

@@ -27,7 +27,8 @@ def corpus(tmp_path_factory) -> dict:
     """A tokenizer, an indexed dataset whose documents lack a final EOD (the packer inserts them: offset -1),
     a random-valued sidecar for it and an n-gram model fitted on it."""
     from megasparse.data.indexed import write_indexed
-    from megasparse.data.tokenizer import tokenizer_info, train_bpe
+    from megasparse.data.bpe import train_bpe
+    from megasparse.data.tokenizer import tokenizer_info
     from megasparse.filtering.ngram import NgramLM
     from megasparse.filtering.sidecar import write_sidecar
 

@@ -116,8 +116,21 @@ def test_slurm_script_header_and_guards(tmp_path, config, fake_slurm):
     header = [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
     assert "#SBATCH --ntasks-per-node=1" in header and any("--nodes=" in h for h in header)
     assert "export NCCL_NVLS_ENABLE=0" in text and "srun" in text
-    outside = {k: v for k, v in fake_slurm.items() if k != "SLURM_NNODES"}
+    outside = {k: v for k, v in fake_slurm.items() if k not in ("SLURM_NNODES", "DRY_RUN")}
     res = _run(SBATCH, [config.name], outside, tmp_path)
     assert res.returncode == 2 and "not inside a Slurm allocation" in res.stderr
     res = _run(SBATCH, ["nope.yaml"], fake_slurm, tmp_path)
     assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def test_slurm_dry_run_outside_allocation(tmp_path, config):
+    """README's `DRY_RUN=1 bash launch/slurm/train.sbatch ...` previews one node's command without Slurm."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(DRY_RUN="1", SLURM_SUBMIT_DIR=str(tmp_path))
+    res = _run(SBATCH, [config.name, "train.steps=3"], env, REPO)
+    assert res.returncode == 0, res.stderr
+    assert "outside a Slurm allocation" in res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1
+    args = _torchrun_args(shlex.split(lines[0].split(" ", 1)[1]))
+    assert args.nnodes == "1" and args.training_script_args == ["train", config.name, "train.steps=3"]

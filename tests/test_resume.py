@@ -19,6 +19,7 @@ BASE = [
     "train.eval_interval=0",
     "train.steps=6",
     "optim.warmup_steps=2",
+    "parallel.backend=gloo",  # a GPU host would otherwise pick NCCL for these CPU tensors
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -125,3 +126,12 @@ def load_model_for_inference(cfg: Config, ckpt_dir: str) -> InferenceModel:
     ckpt.load_weights(ckpt_dir, model)
     model.eval()
     return InferenceModel(model)
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine decay to ``optim.min_lr``."""
+    o, total = cfg.optim, cfg.train.steps
+    if o.warmup_steps and step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))

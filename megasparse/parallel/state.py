@@ -50,6 +50,27 @@ def world_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
+def attempt_store(rank: int, world: int, timeout):
+    """Under torchrun, the rendezvous store prefixed by the restart attempt, else None (plain env://).
+
+    torchrun's agent store outlives a worker restart; re-initialising gloo from the same keys makes restarted
+    workers read the dead attempt's addresses ("connectFullMesh failed ... Connection refused"). A prefix per
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt a clean key space, so ``--max-restarts`` recovers.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_hosts and rank == 0,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"megasparse/attempt-{attempt}", base)
+
+
 def init(tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto", timeout_s: int = 600) -> Layout:
     """Create the default group (if needed) and the megatron-core model-parallel groups."""
     global _layout
@@ -66,7 +87,9 @@ def init(tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto
         if "MASTER_ADDR" not in os.environ and world == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        store = attempt_store(rank, world, timedelta(seconds=timeout_s))
+        kw = {"store": store} if store is not None else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kw)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
