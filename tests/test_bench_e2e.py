@@ -17,7 +17,9 @@ def test_every_mode_of_every_layout_is_a_valid_config() -> None:
 
     for name, (cfg_path, gpus, ov) in be.LAYOUTS.items():
         for mode, extra in be.MODES.items():
-            cfg = load_config(str(be.ROOT / cfg_path), ov + extra + ["train.micro_batch_size=2"])
+            # the layouts are GPU configs: validate their shapes here with the device question left to the GPU
+            cpu = ["train.device=auto", "parallel.backend=auto"]
+            cfg = load_config(str(be.ROOT / cfg_path), ov + extra + ["train.micro_batch_size=2"] + cpu)
             cfg.validate(gpus)
             assert cfg.model.seq_length == 4096, name
             if "collider" in mode:

@@ -26,8 +26,8 @@ KEEP = 0.4
 def corpus(tmp_path_factory) -> dict:
     """A tokenizer, an indexed dataset whose documents lack a final EOD (the packer inserts them: offset -1),
     a random-valued sidecar for it and an n-gram model fitted on it."""
-    from megasparse.data.indexed import write_indexed
     from megasparse.data.bpe import train_bpe
+    from megasparse.data.indexed import write_indexed
     from megasparse.data.tokenizer import tokenizer_info
     from megasparse.filtering.ngram import NgramLM
     from megasparse.filtering.sidecar import write_sidecar
@@ -70,6 +70,7 @@ def overrides(corpus: dict, source: str, layout: list[str], ref_dir: str | None 
         "filter.mode=collider",
         "filter.scorer=excess",
         f"filter.keep_ratio={KEEP}",
+        "filter.granularity=microbatch",  # the plain computation below is Rho-1's top-k over the micro-batch
         f"filter.reference={source}",
         *ref,
         *layout,

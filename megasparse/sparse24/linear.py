@@ -273,7 +273,7 @@ class Sparse24Weight:
             torch.mul(self._w, self.mask, out=self._masked)
         else:
             self._masked = None  # built on demand: only the masked-dense path needs it
-        if self.can_sparse:
+        if self.can_sparse and self.use_sparse:  # masked dense GEMMs (autotune) need no packed operands
             self._refresh_sparse(self._w)
         self._built_from = stamp
         self.version += 1
