@@ -198,6 +198,7 @@ class KindTracker:
         self.pending: deque = deque()
         self.seen = np.zeros(len(KINDS), dtype=np.int64)
         self.kept = np.zeros(len(KINDS), dtype=np.int64)
+        self.trace: list[tuple[int, int]] = []  # (noisy, total) gradient tokens per sample read or selection
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -213,6 +214,8 @@ class KindTracker:
         pos = self.ds.positions(i)
         kind = np.where(pos >= 0, self.token_kind[np.maximum(pos, 0)], 0)[1:]  # label tokens; inserted EOD: clean
         self.seen += np.bincount(kind, minlength=len(KINDS))
+        if not self.selecting:  # dense: every label token gets gradient
+            self.trace.append((int((kind > 0).sum()), len(kind)))
         sample = self.ds[i]
         if self.selecting:
             self.pending.append((sample, torch.from_numpy(kind.astype(np.int64))))
@@ -230,11 +233,22 @@ class KindTracker:
         kind = torch.stack([k for _, k in rows]).t()  # [s, b]
         kept = kind[sel.loss_mask.cpu()]
         self.kept += np.bincount(kept.numpy(), minlength=len(KINDS))
+        self.trace.append((int((kept > 0).sum()), len(kept)))
         return kind
 
     def counts(self) -> dict:
         kept = self.kept if self.selecting else self.seen
-        return {"seen": dict(zip(KINDS, self.seen.tolist())), "kept": dict(zip(KINDS, kept.tolist()))}
+        half = self.trace[len(self.trace) // 2 :]
+        late = sum(n for n, _ in half) / max(1, sum(t for _, t in half))
+        return {
+            "seen": dict(zip(KINDS, self.seen.tolist())),
+            "kept": dict(zip(KINDS, kept.tolist())),
+            "kept_noisy_share_second_half": late,
+            "trace": [
+                b.sum(axis=0).tolist()
+                for b in np.array_split(np.asarray(self.trace).reshape(-1, 2), min(50, len(self.trace)))
+            ],
+        }
 
 
 def noisy_share(counts: dict, which: str) -> float:
@@ -410,6 +424,7 @@ def summary(res: dict[str, dict], a: argparse.Namespace) -> list[dict]:
             "d_vs_dense": mean(finals) - mean(dense) if dense else None,
             "grad_tokens_per_step": gt,
             "kept_noisy_share": [noisy_share(r, "kept") for r in rs if "kept" in r],
+            "kept_noisy_share_second_half": [r["kept_noisy_share_second_half"] for r in rs if "kept" in r],
             "seen_noisy_share": [noisy_share(r, "seen") for r in rs if "seen" in r],
             "kept_by_kind": [r["kept"] for r in rs if "kept" in r],
         }
@@ -421,16 +436,18 @@ def summary(res: dict[str, dict], a: argparse.Namespace) -> list[dict]:
 def print_summary(rows: list[dict], ref: dict | None, device: str) -> None:
     cols = (
         f"{'variant':<20} {'final held-out per seed':>24} {'mean':>7} {'±':>6} {'Δ dense':>8} "
-        f"{'grad tok/step':>13} {'noisy share kept':>17} {'in batches':>10}"
+        f"{'grad tok/step':>13} {'noisy share kept':>17} {'2nd half':>8} {'in batches':>10}"
     )
     print(f"\nclean held-out loss at the last step (nats/token), device {device}\n{cols}\n{'-' * len(cols)}")
     for r in rows:
         per = " ".join(f"{x:.4f}" for x in r["final_val"])
         kept = " ".join(f"{x:.3f}" for x in r["kept_noisy_share"])
         seen = mean(r["seen_noisy_share"]) if r["seen_noisy_share"] else None
+        late = mean(r["kept_noisy_share_second_half"]) if r["kept_noisy_share_second_half"] else None
         print(
             f"{r['variant']:<20} {per:>24} {r['mean']:>7.4f} {r['half_range']:>6.4f} "
-            f"{fmt(r['d_vs_dense'], '+8.4f')} {r['grad_tokens_per_step']:>13} {kept:>17} {fmt(seen, '10.3f')}"
+            f"{fmt(r['d_vs_dense'], '+8.4f')} {r['grad_tokens_per_step']:>13} {kept:>17} "
+            f"{fmt(late, '8.3f')} {fmt(seen, '10.3f')}"
         )
     if ref and ref.get("val_loss"):
         print(f"reference model (dense on the clean reference pool): held-out {ref['val_loss'][-1]:.4f}")
@@ -468,16 +485,23 @@ def plot(res: dict[str, dict], rows: list[dict], path: str, title: str) -> None:
         ax[0].set_ylim(min(vals) - 0.05, min(max(vals), min(vals) + 2.0))
     ax[0].set(xlabel="optimizer step", ylabel="clean held-out loss (nats/token)", title="held-out loss vs step")
     ax[1].set(xlabel="optimizer step", ylabel="held-out loss − dense mean (nats)", title="difference to dense")
-    names = [r["variant"] for r in rows]
-    x = np.arange(len(names))
-    for i, r in enumerate(rows):
-        ax[2].scatter([i] * len(r["kept_noisy_share"]), r["kept_noisy_share"], color=COLORS[r["variant"]], zorder=3)
-        ax[2].bar(i, mean(r["kept_noisy_share"]) if r["kept_noisy_share"] else 0, color=COLORS[r["variant"]], alpha=0.4)
+    seen.clear()
+    for r in res.values():  # noisy share of the gradient tokens over training (50 bins of equal reads)
+        if not r.get("trace") or not r.get("steps"):
+            continue
+        v = r["variant"]
+        ls = styles[seen.get(v, 0) % len(styles)]
+        seen[v] = seen.get(v, 0) + 1
+        tr = np.asarray(r["trace"], dtype=np.float64)
+        xs = (np.arange(len(tr)) + 0.5) / len(tr) * r["steps"][-1]
+        ax[2].plot(
+            xs, tr[:, 0] / np.maximum(tr[:, 1], 1), ls, color=COLORS[v], lw=1.2, label=f"{LABELS[v]} (seed {r['seed']})"
+        )
     share = [s for r in rows for s in r["seen_noisy_share"]]
     if share:
-        ax[2].axhline(mean(share), color="black", ls="--", lw=1, label="noisy share of the tokens read")
-    ax[2].set_xticks(x, [LABELS[n] for n in names], rotation=20, ha="right", fontsize=8)
-    ax[2].set(ylabel="share of gradient tokens from noisy documents", title="noise in the kept tokens")
+        ax[2].axhline(mean(share), color="black", ls=(0, (1, 3)), lw=1, label="share of the tokens read")
+    ax[2].set_ylim(bottom=0)
+    ax[2].set(xlabel="optimizer step", ylabel="share from noisy documents", title="noise in the gradient tokens")
     for axis in ax:
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7)
@@ -492,8 +516,8 @@ def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO / "configs" / "utility_noisy_cpu.yaml"))
     p.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, help="variant@seed ...; variants: " + ", ".join(VARIANTS))
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--ref-steps", type=int, default=300, help="steps of the reference model on the clean pool")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--ref-steps", type=int, default=500, help="steps of the reference model on the clean pool")
     p.add_argument("--ref-seed", type=int, default=4321)
     p.add_argument("--eval-interval", type=int, default=25)
     p.add_argument("--eval-batches", type=int, default=8)
