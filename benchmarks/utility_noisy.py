@@ -462,6 +462,36 @@ def print_summary(rows: list[dict], ref: dict | None, device: str) -> None:
         print(f"reference model (dense on the clean reference pool): held-out {ref['val_loss'][-1]:.4f}")
 
 
+def markdown(rows: list[dict], res: dict[str, dict], at: tuple[int, ...] = (50, 100, 200, 300, 400, 500)) -> str:
+    """The doc's tables: final held-out loss and noise shares per variant; mean held-out loss at some steps."""
+    out = [
+        "| run | final held-out, per seed | mean ± half range | Δ vs dense | gradient tokens / step "
+        "| noisy share of gradient tokens (whole run / 2nd half) | shuffled / soup / boilerplate share |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        kinds = {k: sum(c[k] for c in r["kept_by_kind"]) for k in KINDS} if r["kept_by_kind"] else None
+        total = sum(kinds.values()) if kinds else 0
+        per_kind = " / ".join(f"{kinds[k] / total:.3f}" for k in KINDS[1:]) if total else "-"
+        share = (f"{mean(r['kept_noisy_share']):.3f} / {mean(r['kept_noisy_share_second_half']):.3f}"
+                 if r["kept_noisy_share"] else "-")  # fmt: skip
+        out.append(
+            f"| {LABELS[r['variant']]} | {' / '.join(f'{x:.4f}' for x in r['final_val'])} | {r['mean']:.4f} ± "
+            f"{r['half_range']:.4f} | {fmt(r['d_vs_dense'], '+.4f')} | {r['grad_tokens_per_step']} | {share} "
+            f"| {per_kind} |"
+        )
+    out += ["", "| run (mean over seeds) | " + " | ".join(f"step {s}" for s in at) + " |",
+            "|---|" + "---:|" * len(at)]  # fmt: skip
+    for r in rows:
+        runs = [x for x in res.values() if x["variant"] == r["variant"] and x.get("val_loss")]
+        cells = []
+        for s in at:
+            v = [dict(zip(x["val_steps"], x["val_loss"])).get(s) for x in runs]
+            cells.append(f"{mean(v):.3f}" if v and None not in v else "-")
+        out.append(f"| {LABELS[r['variant']]} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def plot(res: dict[str, dict], rows: list[dict], path: str, title: str) -> None:
     import matplotlib
 
@@ -580,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"device": device, **meta, "data": man, "summary": rows, "runs": res}, f, indent=1)
     print(f"wrote {js}")
     print_summary(rows, res.get(f"{REF}@{a.ref_seed}"), device)
+    print("\n" + markdown(rows, res))
     return 0 if all(s.get("rc") in (0, None) for s in status.values()) else 1
 
 
