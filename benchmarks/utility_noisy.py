@@ -463,7 +463,7 @@ def print_summary(rows: list[dict], ref: dict | None, device: str) -> None:
         print(f"reference model (dense on the clean reference pool): held-out {ref['val_loss'][-1]:.4f}")
 
 
-def markdown(rows: list[dict], res: dict[str, dict], at: tuple[int, ...] = (50, 100, 200, 300, 400, 500)) -> str:
+def markdown(rows: list[dict], res: dict[str, dict], at: tuple[int, ...] = (50, 100, 150, 200, 250, 300)) -> str:
     """The doc's tables: final held-out loss and noise shares per variant; mean held-out loss at some steps."""
     out = [
         "| run | final held-out, per seed | mean ± half range | Δ vs dense | gradient tokens / step "
