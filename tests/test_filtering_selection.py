@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megasparse.configbase import ConfigError
-from megasparse.filtering.selection import kept_count, kept_total, score_tokens, select_tokens
+from megasparse.filtering.selection import kept_count, kept_total, score_tokens, select_tokens, static_counts
 
 
 def _reference(scores: torch.Tensor, valid: torch.Tensor, ratio: float, granularity: str, sp: int) -> list[int]:
@@ -67,6 +67,7 @@ def test_matches_bruteforce_and_counts(granularity: str, shape: tuple[int, int],
     if granularity == "balanced":
         assert km.per_sequence_counts().tolist() == [sp * kept_count(s // sp, ratio)] * b
         assert km.per_shard_counts(sp).tolist() == [b * kept_count(s // sp, ratio)] * sp
+    assert (km.seq_count, km.shards) == static_counts((s, b), ratio, granularity, sp)  # known before selecting
     # what the selection declares static must be what it did
     if km.seq_count is not None:
         assert km.per_sequence_counts().tolist() == [km.seq_count] * b

@@ -22,7 +22,7 @@ from megasparse.config import Config
 from megasparse.configbase import ConfigError
 from megasparse.data.batch import Batch
 from megasparse.filtering.config import FilterConfig
-from megasparse.filtering.selection import KeepMask, kept_total, score_tokens, select_tokens
+from megasparse.filtering.selection import KeepMask, kept_total, score_tokens, select_tokens, static_counts
 from megasparse.ops.compact import KeepHolder, KeepMeta
 
 __all__ = ["TokenFilter", "build_reference"]
@@ -50,10 +50,8 @@ class TokenFilter:
         self.collider = cfg.mode == "collider"
         self.kept_rows = kept_total((seq_length, micro_batch_size), cfg.keep_ratio, cfg.granularity, sp_size)
         """Kept tokens per micro-batch: static, so compact P2P buffers are sized ahead (no shape exchange)."""
-        probe = select_tokens(
-            torch.zeros(seq_length, micro_batch_size), cfg.keep_ratio, cfg.granularity, sp_size=sp_size
-        )
-        self.seq_count, self.shards = probe.seq_count, probe.shards
+        shape = (seq_length, micro_batch_size)
+        self.seq_count, self.shards = static_counts(shape, cfg.keep_ratio, cfg.granularity, sp_size)
         """What the granularity fixes by shape (KeepMeta.seq_count / shards): the compact path needs no host sync."""
         self.observer: Callable[[Batch, KeepMask], None] | None = None
         """Optional callback after every selection (studies: which tokens were kept)."""

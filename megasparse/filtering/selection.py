@@ -19,7 +19,16 @@ import torch
 
 from megasparse.configbase import ConfigError
 
-__all__ = ["GRANULARITIES", "SCORERS", "KeepMask", "kept_count", "kept_total", "score_tokens", "select_tokens"]
+__all__ = [
+    "GRANULARITIES",
+    "SCORERS",
+    "KeepMask",
+    "kept_count",
+    "kept_total",
+    "score_tokens",
+    "select_tokens",
+    "static_counts",
+]
 
 GRANULARITIES = ("balanced", "microbatch", "sequence", "shard")
 SCORERS = ("excess", "loss", "random")
@@ -140,6 +149,14 @@ def _static_counts(granularity: str, b: int, sp_size: int, k_group: int) -> tupl
     if granularity == "shard":
         return (sp_size * k_group if b == 1 else None), sp_size
     return (k_group if b == 1 else None), 1
+
+
+def static_counts(
+    shape: tuple[int, int], keep_ratio: float, granularity: str, sp_size: int = 1
+) -> tuple[int | None, int]:
+    """(kept tokens per sequence or None, SP shards balanced) that ``select_tokens`` fixes for a [s, b] micro-batch."""
+    _, size = _groups(shape, granularity, sp_size)
+    return _static_counts(granularity, shape[1], sp_size, kept_count(size, keep_ratio))
 
 
 def kept_total(shape: tuple[int, int], keep_ratio: float, granularity: str, sp_size: int = 1) -> int:
