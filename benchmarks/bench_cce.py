@@ -94,9 +94,9 @@ def bench_ms(fn, reps: int = 10) -> float:
 def fwd_bwd_runner(name: str, h, w, t):
     """A closure running fwd+bwd of method ``name`` on fresh grads, or None if unavailable."""
     if name.startswith("megasparse"):
-        cfg = LossConfig(
+        cfg = LossConfig(  # the default backend on CUDA is gemm (exact); "tiles" is the Triton tile kernels
             impl="cce", sort_vocab="sort" in name, filter_eps=None if "exact" in name else 2.0**-12,
-            grad_accum_fp32="fp32" in name,
+            grad_accum_fp32="fp32" in name, backend="triton" if "tiles" in name else None,
         )  # fmt: skip
 
         def loss_fn(hh, ww):
@@ -152,9 +152,33 @@ def measure(name, h, w, t) -> dict:
         return dict(method=name, ms=float("nan"), extra_mb=float("nan"), error=str(e)[:300])
 
 
+def sweep_gemm(h, w, t, rows: list[dict]) -> None:
+    """fwd+bwd of the GEMM backend (the default) with S in fp32 (P in its own buffer) or in the input dtype (P over
+    S) at a few chunk widths: GEMM efficiency against scratch memory (decision 0203)."""
+    from megasparse.loss import cce_gemm
+
+    n, v = h.shape[0], w.shape[0]
+    g = torch.ones(n, device=h.device)
+    default = cce_gemm.LOGITS_FP32
+    for fp32, chunks in ((True, (1024, 2048)), (False, (2048, 3072, 4096))):
+        cce_gemm.LOGITS_FP32 = fp32
+        for c in chunks:
+
+            def run(c=c):
+                lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v, chunk=c)
+                cce_gemm.gemm_shard_backward(h, w, t, lse, g, g, v, chunk=c)
+
+            ms = bench_ms(run)
+            mb = n * c * ((4 + h.element_size()) if fp32 else h.element_size()) / 2**20
+            rows.append(dict(kind="gemm_sweep", chunk=c, logits_fp32=fp32, ms=ms, scratch_mb=mb))
+            dt = "fp32" if fp32 else "bf16"
+            print(f"gemm chunk {c} S {dt}: {ms:.2f} ms fwd+bwd, {mb:.0f} MB scratch", flush=True)
+    cce_gemm.LOGITS_FP32 = default
+
+
 def sweep(h, w, t, rows: list[dict]) -> None:
     """Time the backward (sorted vocabulary) over a few tilings; the fastest becomes cce.BWD_CONFIG for this run."""
-    from megasparse.loss import cce
+    from megasparse.loss import cce_launch as cce
 
     n, d = h.shape
     v = w.shape[0]
@@ -189,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="gemma2-2b,llama3-8b")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--gemm-sweep", action="store_true", help="sweep the GEMM backend's chunk and sparse tilings")
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}  torch {torch.__version__}", flush=True)
@@ -196,13 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_check:
         correctness(rows)
     table = []
-    methods = ("megasparse-cce", "megasparse-cce-sort", "megasparse-cce-sort-fp32dE", "apple-cce", "liger-flce",
+    methods = ("megasparse-cce", "megasparse-cce-fp32dE", "megasparse-cce-tiles-sort", "apple-cce", "liger-flce",
                "torch-materialised")  # fmt: skip
     for shape in args.shapes.split(","):
         n, v, d = SHAPES[shape]
         h, w, t = make_inputs(n, v, d)
         if args.sweep and shape == args.shapes.split(",")[0]:
             sweep(h, w, t, rows)
+        if args.gemm_sweep:
+            sweep_gemm(h, w, t, rows)
         res = {m: measure(m, h, w, t) for m in methods}
         anchor = res["torch-materialised"]
         a_de, a_dc = anchor.pop("de", None), anchor.pop("dc", None)

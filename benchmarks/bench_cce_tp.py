@@ -182,7 +182,7 @@ def check(ctx: Ctx, cases: list[Case], cfg: LossConfig, sp: bool, divisible_by: 
                 print(f"rank {ctx.rank} check {case.name(ctx.n)}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 errs, pad = [float("nan")] * 3, float("nan")
             errs = rank_max(errs + [pad], ctx)
-            fp32_logits = case.impl == "megasparse" and backend_for(p.h) == "triton"  # CPU path rounds them to bf16
+            fp32_logits = case.impl == "megasparse" and backend_for(p.h) in ("gemm", "triton")  # CPU path rounds them
             tol = TOL[dtype] if (fp32_logits or dtype == torch.float32) else TOL_MATERIALISED_BF16
             ok = all(math.isfinite(e) and e < tol for e in errs[:3]) and errs[3] == 0.0
             row = dict(kind="check", case=case.name(ctx.n), dtype=str(dtype), n=n, v=v, d=d, tol=tol,

@@ -16,13 +16,14 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("backend", ["gemm", "triton"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(
     "softcap,z,eps,acc32",
     [(None, 0.0, None, False), (30.0, 1e-4, None, False), (None, 0.0, 2.0**-12, False), (None, 0.0, 2.0**-12, True)],
     ids=["exact", "cap-z", "filter", "filter-fp32dE"],
 )
-def test_cce_matches_fp64(dtype, tol, softcap, z, eps, acc32):
+def test_cce_matches_fp64(dtype, tol, softcap, z, eps, acc32, backend):
     n, v, d = 1037, 50257, 2304
     g = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     h = torch.randn(n, d, device="cuda", generator=g).to(dtype)
@@ -31,7 +32,9 @@ def test_cce_matches_fp64(dtype, tol, softcap, z, eps, acc32):
     t[::7] = -100
     gout = torch.rand(n, device="cuda", generator=g) + 0.5
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    cfg = LossConfig(impl="cce", softcap=softcap, z_loss=z, filter_eps=eps, sort_vocab=True, grad_accum_fp32=acc32)
+    cfg = LossConfig(
+        impl="cce", softcap=softcap, z_loss=z, filter_eps=eps, sort_vocab=True, grad_accum_fp32=acc32, backend=backend
+    )
     loss = vocab_parallel_loss(hh, ww, t, cfg, vocab_start=0, vocab_size=v)
     loss.backward(gout)
 
@@ -51,15 +54,17 @@ def test_cce_matches_fp64(dtype, tol, softcap, z, eps, acc32):
     assert torch.all(hh.grad[~valid] == 0)
 
 
-def test_exact_mode_bitwise_reproducible():
-    """Exact mode orders the locked adds (tickets), so repeated backward passes agree bit for bit."""
+@pytest.mark.parametrize("backend", ["gemm", "triton"])
+def test_exact_mode_bitwise_reproducible(backend):
+    """Exact mode orders the locked adds (tickets), and the GEMM backend has no atomics: repeated backward passes
+    agree bit for bit."""
     n, v, d = 2053, 50257, 2304
     g = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     h = torch.randn(n, d, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(v, d, device="cuda", generator=g) * 2 / d**0.5).to(torch.bfloat16)
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
     t[: n // 4] = t[0]  # many rows share a target: the target pass's scatter has to be ordered too
-    cfg = LossConfig(impl="cce", filter_eps=None)
+    cfg = LossConfig(impl="cce", filter_eps=None, backend=backend)
     grads = []
     for _ in range(3):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()

@@ -23,6 +23,20 @@ CASES = [
 ]
 
 
+def _fp64_loss(h, w, t, v: int, sc, z: float = 0.0):
+    """(per-token fp64 loss with ignore_index rows at 0, lse, h64, w64) of the first ``v`` rows of ``w``."""
+    import torch
+
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    lg = h64 @ w64[:v].T
+    if sc:
+        lg = sc * torch.tanh(lg / sc)
+    lse = torch.logsumexp(lg, 1)
+    valid = t != -100
+    ref = torch.where(valid, lse - lg.gather(1, t.clamp(min=0)[:, None]).squeeze(1) + z * lse * lse, 0.0)
+    return ref, lse, h64, w64
+
+
 def _run_cases() -> None:
     import torch
 
@@ -41,13 +55,8 @@ def _run_cases() -> None:
         cfg = LossConfig(impl="cce", softcap=sc, z_loss=z, filter_eps=eps, sort_vocab=srt, backend="triton")
         loss = vocab_parallel_loss(hh, ww, t, cfg, vocab_start=0, vocab_size=v)
         loss.backward(gout)
-        h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
-        lg = h64 @ w64[:v].T
-        if sc:
-            lg = sc * torch.tanh(lg / sc)
-        lse = torch.logsumexp(lg, 1)
+        ref, lse, h64, w64 = _fp64_loss(h, w, t, v, sc, z)
         valid = t != -100
-        ref = torch.where(valid, lse - lg.gather(1, t.clamp(min=0)[:, None]).squeeze(1) + z * lse * lse, 0.0)
         ref.backward(gout.double())
         tol = 1e-5 if eps is None else 5e-3
         for name, a, b in (("loss", loss, ref), ("dE", hh.grad, h64.grad), ("dC", ww.grad, w64.grad)):
@@ -71,7 +80,58 @@ def _run_cases() -> None:
         torch.testing.assert_close(d_c, r_c, rtol=1e-5, atol=1e-6)
         assert d_e[valid].abs().sum(1).gt(0).all() and d_e[~valid].eq(0).all()
         print(f"case {i} ok")
+    import megasparse.loss.cce_gemm as cce_gemm
+
+    for fp32 in (False, True):  # S in the input dtype (P overwrites it) and S in fp32 (P in its own buffer)
+        cce_gemm.LOGITS_FP32 = fp32
+        _run_gemm_cases()
     print("ALL OK")
+
+
+def _run_gemm_cases() -> None:
+    """The GEMM backend (cce_gemm.py): several chunks with a ragged last one, softcap, targets outside the slice,
+    ignored rows and TP padding rows, against the chunked reference and an fp64 loss."""
+    import torch
+
+    from megasparse.loss import LossConfig, vocab_parallel_loss
+    from megasparse.loss.cce_gemm import chunk_cols, gemm_shard_backward, gemm_shard_forward
+    from megasparse.loss.reference import torch_shard_backward, torch_shard_forward
+
+    assert chunk_cols(8192, 128256, 2, s_bytes=4) == 1024 and chunk_cols(8192, 128256, 2, s_bytes=2) == 3072
+    assert chunk_cols(10**6, 5000, 2) == 256 and chunk_cols(3, 300, 2) == 300
+    for i, (n, v, pad, d, sc) in enumerate(((37, 300, 3, 48, None), (53, 261, 0, 40, 5.0))):
+        g = torch.Generator().manual_seed(200 + i)
+        h = torch.randn(n, d, generator=g)
+        w = torch.randn(v + pad, d, generator=g) / d**0.5 * 4
+        t = torch.randint(-1, v, (n,), generator=g)  # -1: the target lives in another slice
+        gs, gt = torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g) + 0.5
+        gs[3] = gt[3] = 0.0  # an ignored row: zero gradient, no dropping
+        lse, tg = gemm_shard_forward(h, w, t, v, sc, chunk=128)
+        r_lse, r_tg = torch_shard_forward(h, w, t, v, sc)
+        torch.testing.assert_close(lse, r_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tg, r_tg, rtol=1e-5, atol=1e-5)
+        d_e, d_c = gemm_shard_backward(h, w, t, lse, gs, gt, v, sc, chunk=128)
+        r_e, r_c = torch_shard_backward(h, w, t, lse, gs, gt, v, sc)
+        torch.testing.assert_close(d_e, r_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(d_c, r_c, rtol=1e-5, atol=1e-5)
+        assert d_e[3].eq(0).all() and d_c[v:].eq(0).all()
+        d_e32, _ = gemm_shard_backward(h, w, t, lse, gs, gt, v, sc, accum_fp32=True, chunk=128)
+        torch.testing.assert_close(d_e32, r_e, rtol=1e-5, atol=1e-5)
+        # through the loss: ignore_index rows get loss 0 and zero dE, against fp64
+        t2 = t.clamp(min=0)
+        t2[5] = -100
+        gout = torch.rand(n, generator=g) + 0.5
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        cfg = LossConfig(impl="cce", softcap=sc, backend="gemm")
+        loss = vocab_parallel_loss(hh, ww, t2, cfg, vocab_start=0, vocab_size=v)
+        loss.backward(gout)
+        ref, _, h64, w64 = _fp64_loss(h, w, t2, v, sc)
+        ref.backward(gout.double())
+        for name, a, b in (("loss", loss, ref), ("dE", hh.grad, h64.grad), ("dC", ww.grad, w64.grad)):
+            err = float((a.detach().double() - b).norm() / b.norm())
+            assert err < 1e-5, ("gemm", i, name, err)
+        assert hh.grad[5].eq(0).all() and ww.grad[v:].eq(0).all()
+        print(f"gemm case {i} ok")
 
 
 def test_triton_kernels_interpreted():

@@ -11,7 +11,7 @@ gs·softmax (minus gt at the targets in exact mode), skips the tile when every s
 per-(block, D-chunk) spin locks. Programs that share a vocabulary block are launched together so the
 classifier tile is read from HBM once. In exact mode (no filtering) the locks become tickets that fix the
 order of the adds, so exact-mode gradients are bitwise reproducible on the GPU too. With filtering, the
-one-hot part (−gt at each row's target) is added by ``cce_launch.add_target_term``, a row-owned pass: inside the
+one-hot part (−gt at each row's target) is added by ``rows.add_target_term``, a row-owned pass: inside the
 tile kernel it would force every tile holding a target through the locked adds.
 """
 

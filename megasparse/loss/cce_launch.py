@@ -1,9 +1,11 @@
 """Launchers of the CCE kernels and the dispatch of the shard maths to a backend.
 
 ``shard_forward`` / ``shard_backward`` are the per-slice pieces every output loss is built from (lse partial +
-target logit partial; backward for a given merged lse). Backends: ``triton`` (the kernels, default on CUDA),
-``torch`` (the chunked reference, ``reference.py``; default on CPU, runs at real vocabulary sizes) and
-``materialized`` (whole [rows, V_local] fp32 logits, ``materialized.py``; ``loss.impl=torch``). Which one runs is
+target logit partial; backward for a given merged lse). Backends: ``gemm`` (cuBLAS GEMMs over bounded vocabulary
+chunks with Triton softmax kernels, ``cce_gemm.py``; default on CUDA, decision 0203), ``triton`` (the tile
+kernels of ``cce_kernels.py``: gradient filtering and the vocabulary sort, least memory), ``torch`` (the chunked
+reference, ``reference.py``; default on CPU, runs at real vocabulary sizes) and ``materialized`` (whole
+[rows, V_local] fp32 logits, ``materialized.py``; ``loss.impl=torch``). Which one runs is
 configuration (``loss.backend``, ``loss.impl``), never the environment; CPU tests run the kernels interpreted with
 ``backend="triton"`` and TRITON_INTERPRET=1.
 """
@@ -15,9 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megasparse.loss.cce_gemm import gemm_shard_backward, gemm_shard_forward
 from megasparse.loss.cce_kernels import _bwd_kernel, _fwd_kernel, triton
 from megasparse.loss.materialized import materialized_shard_backward, materialized_shard_forward
 from megasparse.loss.reference import torch_shard_backward, torch_shard_forward
+from megasparse.loss.rows import add_target_term
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,13 @@ _FP32 = {"fwd": KernelConfig(128, 256, 32, 8, 2), "bwd": KernelConfig(128, 128, 
 
 
 def backend_for(t: Tensor) -> str:
-    """triton on CUDA (when triton is installed), the chunked torch reference otherwise."""
-    return "triton" if (t.is_cuda and triton is not None) else "torch"
+    """gemm on CUDA (when triton is installed), the chunked torch reference otherwise."""
+    return "gemm" if (t.is_cuda and triton is not None) else "torch"
+
+
+def uses_filter(backend: str) -> bool:
+    """Whether a backend skips gradient entries below ``filter_eps`` (and so profits from the vocabulary sort)."""
+    return backend in ("triton", "torch")
 
 
 def _pick(cfg: KernelConfig | None, default: KernelConfig, t: Tensor) -> KernelConfig:
@@ -159,34 +168,6 @@ def _launch_bwd(h, w, tgt, lse, gs, gt, perm, d_e, d_c, n_valid, softcap, filter
         add_target_term(h, w, tgt, gt, softcap, d_e, d_c)
 
 
-_TARGET_CHUNK_ELEMS = 1 << 20  # [rows, D] temporaries of the target pass: 2 MB each in bf16
-
-
-def add_target_term(
-    h: Tensor, w: Tensor, tgt: Tensor, gt: Tensor, softcap: float | None, d_e: Tensor, d_c: Tensor
-) -> None:
-    """dE[r] −= c_r·W[t_r] and dW[t_r] −= c_r·h[r] for rows whose target lies in this slice (c_r = gt_r, times
-    the softcap derivative at the target logit).
-
-    The one-hot part of the logit gradient touches one column per row, so it runs row-owned and chunked
-    instead of forcing every tile that holds a target through the tile kernel's locked adds (filtered mode only;
-    exact mode forms it inside the tiles).
-    """
-    n, d = h.shape
-    step = max(1, _TARGET_CHUNK_ELEMS // max(d, 1))
-    for s in range(0, n, step):
-        e = min(s + step, n)
-        t = tgt[s:e]
-        tc = t.clamp_min(0).long()
-        coef = torch.where(t >= 0, gt[s:e].float(), 0.0)
-        wt = w.index_select(0, tc)
-        if softcap is not None:
-            th = torch.tanh(torch.linalg.vecdot(h[s:e].float(), wt.float()) / softcap)
-            coef = coef * (1 - th * th)
-        d_e[s:e].addcmul_(coef.to(d_e.dtype).unsqueeze(1), wt, value=-1)
-        d_c.index_add_(0, tc, h[s:e] * coef.to(d_c.dtype).unsqueeze(1), alpha=-1)
-
-
 def shard_forward(
     h: Tensor,
     w: Tensor,
@@ -201,6 +182,8 @@ def shard_forward(
     partials of all slices with logsumexp / sum, then call ``shard_backward`` with the merged lse.
     """
     backend = backend or backend_for(h)
+    if backend == "gemm":
+        return gemm_shard_forward(h, w, tgt, n_valid, softcap)
     if backend == "triton":
         return triton_shard_forward(h, w, tgt, n_valid, softcap)
     if backend == "materialized":
@@ -237,6 +220,8 @@ def shard_backward(
 ) -> tuple[Tensor, Tensor]:
     """(dE, dC) of this slice for dlogits = gs·softmax(logits − merged lse) − gt·onehot(tgt)."""
     backend = backend or backend_for(h)
+    if backend == "gemm":  # exact: its FLOPs are dense GEMMs, skipping entries would save nothing (decision 0203)
+        return gemm_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, accum_fp32)
     if backend == "triton":
         return triton_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, filter_eps, perm, accum_fp32)
     if backend == "materialized":  # no filtering: the logits exist anyway, skipping entries saves nothing

@@ -26,12 +26,13 @@ class LossConfig:
     """impl=auto: the most memory the materialised loss may spend on its fp32 logits (rows × local vocabulary ×
     4 bytes, per micro-batch, per rank) before auto picks cce, which never forms them."""
     filter_eps: float | Literal["auto"] | None = "auto"
-    """Skip softmax-gradient blocks whose entries are all below this (cce only); None is the exact mode. auto
+    """Skip softmax-gradient blocks whose entries are all below this (the cce tile kernels, ``backend=triton``, and the
+    CPU reference; the default GEMM backend is exact, decision 0203); None is the exact mode. auto
     ties it to the compute dtype: finfo(dtype).eps / 32 (bf16: 2^-12; fp32: 2^-28), below the dtype's rounding
     of the entries it skips."""
     sort_vocab: bool = True
-    """Walk the vocabulary by descending mean logit in the filtered backward, so skippable tiles cluster (cce with
-    filter_eps only; 1.9x faster backward measured on the Gemma-2 shape)."""
+    """Walk the vocabulary by descending mean logit in the filtered backward, so skippable tiles cluster (cce tile
+    kernels with filter_eps only; 1.9x faster backward measured on the Gemma-2 shape)."""
     softcap: float | None = None
     """Logit soft-capping value (Gemma-2 style), None for off."""
     z_loss: float = 0.0
@@ -41,8 +42,10 @@ class LossConfig:
     dtype. Each dE row takes one add per kept vocabulary tile, so in bf16 its rounding dominates: on the Gemma-2
     shape the dE error against fp32 falls from 0.37 to 0.19 filtered and from 0.71 to 0.003 exact (H200,
     docs/benchmarks/cce.md)."""
-    backend: str | None = None
-    """Force the cce backend: triton or torch (None: Triton on CUDA, the chunked torch reference on CPU)."""
+    backend: Literal["gemm", "triton", "torch"] | None = None
+    """Force the cce backend: gemm (cuBLAS GEMMs over bounded vocabulary chunks, Triton softmax; exact), triton (the
+    tile kernels: gradient filtering with ``filter_eps`` and ``sort_vocab``, the least memory) or torch (the chunked
+    reference). None: gemm on CUDA, torch on CPU (decision 0203)."""
     vocab_over_pp: bool = False
     """Shard the output layer's vocabulary over pipeline ranks too (balances the last stage)."""
     embedding_over_pp: bool = True
@@ -66,8 +69,8 @@ class LossConfig:
             raise ConfigError("loss.impl=mcore: megatron-core's loss has no softcap or z-loss; use cce or torch")
         if self.impl == "mcore" and self.vocab_over_pp:
             raise ConfigError("loss.impl=mcore cannot shard the vocabulary over PP; use loss.impl=cce or torch")
-        if self.backend not in (None, "triton", "torch"):
-            raise ConfigError(f"loss.backend={self.backend!r}: use triton, torch or leave it unset")
+        if self.backend not in (None, "gemm", "triton", "torch"):
+            raise ConfigError(f"loss.backend={self.backend!r}: use gemm, triton, torch or leave it unset")
         if self.filter_eps not in (None, "auto") and not 0 <= self.filter_eps < 1:
             raise ConfigError(f"loss.filter_eps={self.filter_eps}: use a value in [0, 1) or null for exact mode")
         if self.softcap is not None and self.softcap <= 0:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megasparse.loss.cce_launch import shard_backward, shard_forward, vocab_order
+from megasparse.loss.cce_launch import backend_for, shard_backward, shard_forward, uses_filter, vocab_order
 from megasparse.loss.rows import local_targets, rows_or_all, rows_to_all, valid_rows
 from megasparse.ops.compact import KeepHolder
 
@@ -33,15 +33,19 @@ class LossOptions:
     ignore_index: int = -100
     sequence_parallel: bool = False
     backend: str | None = None
-    """triton, torch (chunked reference), materialized, or None (triton on CUDA, torch on CPU)."""
+    """gemm, triton (tile kernels), torch (chunked reference), materialized, or None (gemm on CUDA, torch on CPU)."""
 
-    @property
-    def drop_ignored(self) -> bool:
-        """CCE backends drop ignored rows before any kernel; the materialised one zeroes their gradient instead
-        (no host synchronisation in its backward), and so does CCE inside a CUDA-graph capture (finding the rows
-        to drop reads the device on the host, which a captured step cannot: megasparse/cudagraph.py)."""
+    def backend_of(self, h: Tensor) -> str:
+        """The backend that computes a slice held in ``h`` (the configured one, else the device's default)."""
+        return self.backend or backend_for(h)
+
+    def drops_ignored(self, backend: str) -> bool:
+        """The tile kernels and the chunked reference drop ignored rows before any kernel; the GEMM and materialised
+        backends zero their gradient instead (no host synchronisation), and so does every backend inside a CUDA-graph
+        capture (finding the rows to drop reads the device on the host, which a captured step cannot:
+        megasparse/cudagraph.py)."""
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        return self.backend != "materialized" and not capturing
+        return backend in ("triton", "torch") and not capturing
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,11 @@ def slice_stats(h: Tensor, w: Tensor, targets: Tensor, opt: LossOptions, merge: 
     Every rank builds the same targets, so every rank drops the same ignored rows before its kernels and the
     collective inside ``merge`` carries valid rows only."""
     n = h.shape[0]
-    rows = valid_rows(targets, opt.ignore_index) if opt.drop_ignored else None
+    backend = opt.backend_of(h)
+    rows = valid_rows(targets, opt.ignore_index) if opt.drops_ignored(backend) else None
     hv = rows_or_all(h, rows)
     tv = local_targets(rows_or_all(targets, rows), opt.vocab_start, opt.n_valid)
-    lse_l, tgt_l = shard_forward(hv, w, tv, opt.n_valid, opt.softcap, opt.backend)
+    lse_l, tgt_l = shard_forward(hv, w, tv, opt.n_valid, opt.softcap, backend)
     lse, tgt = merge(lse_l.float(), tgt_l.float())
     return rows_to_all(lse, rows, n), rows_to_all(tgt, rows, n), hv.shape[0]
 
@@ -105,15 +110,17 @@ def slice_grads(
 
     ``h``/``targets``/``lse``/``g`` are the rows that get a gradient; ignored ones among them get none (dropped,
     or, in the materialised backend, kept with a zero gradient)."""
-    rows = valid_rows(targets, opt.ignore_index) if opt.drop_ignored else None
+    backend = opt.backend_of(h)
+    drop = opt.drops_ignored(backend)
+    rows = valid_rows(targets, opt.ignore_index) if drop else None
     h, targets, lse, g = (rows_or_all(t, rows) for t in (h, targets, lse, g))
-    if not opt.drop_ignored:
+    if not drop:
         g = torch.where(targets != opt.ignore_index, g, torch.zeros_like(g))
     gs = zloss_grad(g, lse, opt.z_loss)
-    sort = opt.sort_vocab and opt.filter_eps is not None and opt.drop_ignored
+    sort = opt.sort_vocab and opt.filter_eps is not None and drop and uses_filter(backend)
     perm = vocab_order(h, w, opt.n_valid) if sort else None
     t = local_targets(targets, opt.vocab_start, opt.n_valid)
     d_e, d_c = shard_backward(
-        h, w, t, lse, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, opt.backend
+        h, w, t, lse, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, backend
     )
     return d_e, d_c, rows

@@ -1,0 +1,215 @@
+"""CCE on cuBLAS GEMMs over bounded vocabulary chunks, with the softmax maths fused in Triton (``backend="gemm"``).
+
+The tile kernels of ``cce_kernels.py`` recompute logits in registers and add dE/dC under locks; at large hidden
+sizes the locked read-modify-writes, not the FLOPs, are their cost (2× the materialised loss at D=4096). Here
+every FLOP runs in a vendor GEMM and nothing is added under a lock:
+
+* forward, per chunk of ``c`` vocabulary columns: S = H·W_cᵀ ([rows, c]), then ``_stats_kernel`` folds the
+  chunk's log-sum-exp into the running one (fp32) and picks the target logit;
+* backward, per chunk: S again, ``_grad_kernel`` forms P = gs·softmax(S − lse) − gt·onehot (times the softcap
+  derivative) in fp32 and stores it in the input dtype over S, then dC_c = Pᵀ·H (written once: each vocabulary
+  row lives in one chunk) and dE += P·W_c (cuBLAS accumulates in fp32 and rounds once per chunk, instead of once
+  per 128-column tile under a lock).
+
+Memory is bounded by the chunk: ``chunk_cols`` keeps S (fp32) and P under ``CHUNK_BYTES`` whatever the row count,
+so the [rows, V] logits never exist. The work is 8·N·V·D FLOPs (the materialised loss does 6·N·V·D plus several
+passes over fp32 logits): decision 0203 has the measurements. This path is exact: ``loss.filter_eps`` and
+``sort_vocab`` belong to the tile kernels (block-sparse Triton GEMMs that skip the filtered P tiles were measured
+slower than these dense cuBLAS ones, decision 0203). It has no host synchronisation: a captured CUDA graph replays it.
+Same contract as ``reference.torch_shard_forward`` / ``torch_shard_backward``, which the tests compare it against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megasparse.loss.cce_kernels import tl, triton
+
+CHUNK_BYTES = 48 * 2**20
+"""Bound on one chunk's scratch: S plus P, [rows, c] each (one buffer when S is in the input dtype)."""
+LOGITS_FP32 = True
+"""True (the default): S leaves the bf16 GEMM in fp32, the tile kernels' logit precision. False: S in the input dtype
+(as the materialised losses, megatron-core's too, round logits) with P over it in place, so the scratch holds chunks
+3× as wide: 3–8% faster on H100, but bf16 dC error against fp64 rises from 1.5e-2 to 6.6e-2 (decision 0203)."""
+_MIN_COLS = 256
+
+if triton is not None:
+
+    @triton.jit
+    def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+        if HAS_SOFTCAP:
+            x = softcap * (2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0)
+        return x
+
+    @triton.jit
+    def _stats_kernel(
+        S, LSE, TGT_LOGIT, T, n, c, v0, stride_s, softcap,
+        HAS_SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n
+        m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        s_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        base = S + rows.to(tl.int64)[:, None] * stride_s
+        for c0 in range(0, c, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            ok = row_ok[:, None] & (cols[None, :] < c)
+            x = tl.load(base + cols[None, :], mask=ok, other=float("-inf")).to(tl.float32)
+            x = tl.where(ok, _capped(x, softcap, HAS_SOFTCAP), float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(x, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s_i = s_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+            m_i = m_new
+        chunk = m_i + tl.log(s_i)
+        old = tl.load(LSE + rows, mask=row_ok, other=0.0)
+        hi = tl.maximum(old, chunk)
+        hi_safe = tl.where(hi == float("-inf"), 0.0, hi)
+        tl.store(LSE + rows, hi_safe + tl.log(tl.exp(old - hi_safe) + tl.exp(chunk - hi_safe)), mask=row_ok)
+        t = tl.load(T + rows, mask=row_ok, other=-1) - v0
+        inside = row_ok & (t >= 0) & (t < c)
+        xt = tl.load(S + rows.to(tl.int64) * stride_s + t, mask=inside, other=0.0).to(tl.float32)
+        xt = tl.where(inside, _capped(xt, softcap, HAS_SOFTCAP), 0.0)
+        old_t = tl.load(TGT_LOGIT + rows, mask=row_ok, other=0.0)
+        tl.store(TGT_LOGIT + rows, old_t + xt, mask=row_ok)
+
+    @triton.jit
+    def _grad_kernel(
+        S, P, LSE, GS, GT, T, n, c, v0, stride_s, stride_p, softcap,
+        HAS_SOFTCAP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):  # fmt: skip
+        # P may alias S (same dtype): each program reads its tile before writing it, and tiles do not overlap
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        row_ok = rows < n
+        ok = row_ok[:, None] & (cols[None, :] < c)
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(S + r64 * stride_s + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+        gs = tl.load(GS + rows, mask=row_ok, other=0.0)
+        gt = tl.load(GT + rows, mask=row_ok, other=0.0)
+        t = tl.load(T + rows, mask=row_ok, other=-1) - v0
+        if HAS_SOFTCAP:
+            th = 2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0
+            x = softcap * th
+        p = gs[:, None] * tl.exp(x - lse[:, None])
+        p = p - tl.where(cols[None, :] == t[:, None], gt[:, None], 0.0)
+        if HAS_SOFTCAP:
+            p = p * (1.0 - th * th)
+        tl.store(P + r64 * stride_p + cols[None, :], p.to(P.dtype.element_ty), mask=ok)
+
+
+def _s_dtype(h: Tensor) -> torch.dtype:
+    return torch.float32 if LOGITS_FP32 or h.dtype == torch.float64 else h.dtype
+
+
+def chunk_cols(n_rows: int, n_cols: int, elem_bytes: int, budget: int | None = None, s_bytes: int = 4) -> int:
+    """Vocabulary columns per chunk: S (``s_bytes``) + P (``elem_bytes``, none when P overwrites S) of [n_rows, c]
+    within ``budget`` (a multiple of 128 so the GEMMs tile evenly; at least ``_MIN_COLS`` so a huge row count still
+    gets GEMM-sized chunks)."""
+    budget = CHUNK_BYTES if budget is None else budget
+    per = s_bytes + (elem_bytes if s_bytes != elem_bytes else 0)
+    c = budget // max(1, n_rows * per)
+    c = max(_MIN_COLS, c // 128 * 128)
+    return min(c, n_cols)
+
+
+def _scratch(n: int, c: int, dtype: torch.dtype, device) -> Tensor:
+    return torch.empty(n * c, dtype=dtype, device=device)
+
+
+def _view(buf: Tensor, n: int, c: int) -> Tensor:
+    """A contiguous [n, c] view at the start of a chunk buffer (the last chunk is narrower)."""
+    return buf[: n * c].view(n, c)
+
+
+def _mm_into(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """a·b into ``out`` (fp32): a bf16/fp16 GEMM with fp32 output on CUDA (no rounding of the products' sum to
+    the input dtype), the plain product elsewhere."""
+    if a.dtype == out.dtype:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=out.dtype, out=out)
+        except (TypeError, RuntimeError):  # torch without mm(out_dtype=): round through the input dtype
+            pass
+    return out.copy_(torch.mm(a, b))
+
+
+def _blocks(h: Tensor) -> tuple[int, int]:
+    return (16, 32) if not h.is_cuda else (32, 256)
+
+
+def gemm_shard_forward(
+    h: Tensor, w: Tensor, tgt: Tensor, n_valid: int, softcap: float | None = None, chunk: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """(lse [n] fp32, target logit [n] fp32, 0 where the target is in another shard) of this vocabulary slice."""
+    n, _ = h.shape
+    lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
+    tlogit = torch.zeros(n, dtype=torch.float32, device=h.device)
+    if n == 0 or n_valid == 0:
+        return lse, tlogit
+    h = h.contiguous()
+    s_dt = _s_dtype(h)
+    c_max = chunk or chunk_cols(n, n_valid, h.element_size(), s_bytes=s_dt.itemsize)
+    buf = _scratch(n, c_max, s_dt, h.device)
+    t32 = tgt.to(torch.int32).contiguous()
+    br, bc = _blocks(h)
+    for v0 in range(0, n_valid, c_max):
+        c = min(c_max, n_valid - v0)
+        s = _mm_into(h, w[v0 : v0 + c].t(), _view(buf, n, c))
+        _stats_kernel[(triton.cdiv(n, br),)](
+            s, lse, tlogit, t32, n, c, v0, s.stride(0), float(softcap or 1.0),
+            HAS_SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=4,
+        )  # fmt: skip
+    return lse, tlogit
+
+
+def gemm_shard_backward(
+    h: Tensor,
+    w: Tensor,
+    tgt: Tensor,
+    lse: Tensor,
+    gs: Tensor,
+    gt: Tensor,
+    n_valid: int,
+    softcap: float | None = None,
+    accum_fp32: bool = False,
+    chunk: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(dE [n, D] in h.dtype, dC [V_local, D] in w.dtype) for dlogits = gs·softmax(S − lse) − gt·onehot(tgt).
+
+    ``accum_fp32`` keeps the running dE in fp32 ([n, D] scratch) instead of rounding it to the input dtype after
+    every chunk."""
+    n, d = h.shape
+    h, w = h.contiguous(), w.contiguous()
+    d_c = torch.empty_like(w)
+    if n_valid < w.shape[0]:
+        d_c[n_valid:].zero_()  # TP padding rows never get a gradient
+    acc_dtype = torch.float32 if accum_fp32 else h.dtype
+    d_e = torch.zeros(n, d, dtype=acc_dtype, device=h.device)
+    if n == 0 or n_valid == 0:
+        d_c.zero_()
+        return d_e.to(h.dtype), d_c
+    s_dt = _s_dtype(h)
+    c_max = chunk or chunk_cols(n, n_valid, h.element_size(), s_bytes=s_dt.itemsize)
+    s_buf = _scratch(n, c_max, s_dt, h.device)
+    p_buf = s_buf if s_dt == h.dtype else _scratch(n, c_max, h.dtype, h.device)  # P overwrites S in place
+    t32 = tgt.to(torch.int32).contiguous()
+    lse, gs, gt = (x.float().contiguous() for x in (lse, gs, gt))
+    br, bc = _blocks(h)
+    for v0 in range(0, n_valid, c_max):
+        c = min(c_max, n_valid - v0)
+        wc = w[v0 : v0 + c]
+        s = _mm_into(h, wc.t(), _view(s_buf, n, c))
+        p = _view(p_buf, n, c)
+        _grad_kernel[(triton.cdiv(n, br), triton.cdiv(c, bc))](
+            s, p, lse, gs, gt, t32, n, c, v0, s.stride(0), p.stride(0), float(softcap or 1.0),
+            HAS_SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=4,
+        )  # fmt: skip
+        torch.mm(p.t(), h, out=d_c[v0 : v0 + c])
+        if acc_dtype == p.dtype:
+            d_e.addmm_(p, wc)
+        else:
+            d_e += torch.mm(p, wc, out_dtype=torch.float32) if p.is_cuda else torch.mm(p, wc).float()
+    return d_e.to(h.dtype), d_c
