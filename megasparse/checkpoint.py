@@ -252,7 +252,8 @@ def _dcp_load(where: Path, tensors: dict[str, tuple], no_dist: bool = False) -> 
                  no_dist=no_dist)  # fmt: skip
     except _LOAD_ERRORS as e:  # noqa: BLE001 - one clear line instead of a DCP traceback
         raise ConfigError(
-            f"checkpoint {where} does not match this run ({_one_line(e)}); resume with the same model shape"
+            f"checkpoint {where} does not match this run ({_one_line(e)}); resume with the same model shape and "
+            "sparsity.enabled/layers (any parallel.tp/pp/dp)"
         ) from e
 
 

@@ -112,3 +112,43 @@ def _check_weights(saved: dict[str, torch.Tensor], ranks: list[dict]) -> None:
             assert not full[want.shape[0] :].any(), name
             full = full[: want.shape[0]]
         assert torch.equal(full, want), name
+
+
+def _errors(out: str) -> dict[str, str]:
+    import json
+
+    from megasparse import checkpoint as ckpt
+    from megasparse.config import ConfigError, load_config
+    from megasparse.train import Trainer
+
+    small = BASE + [f"logging.out_dir={out}", "model.num_layers=2"]
+    tr = Trainer(load_config(None, small))
+    tr.train_step()
+    where = tr.save()
+    errors = {}
+    for name, ov in {"layers": ["model.num_layers=3"], "sparsity": SPARSE}.items():
+        try:
+            Trainer(load_config(None, small + ov)).resume(str(where))
+        except ConfigError as e:
+            errors[name] = str(e)
+    sparse = Trainer(load_config(None, small + SPARSE + [f"logging.out_dir={out}/sparse"]))
+    sparse.train_step()
+    tr.resume(str(sparse.save()))  # 2:4 off at resume, on when saved: loads, the masks are not read
+    errors["dense_from_sparse_step"] = str(tr.step)
+    (where / ckpt.LAYOUT).unlink()  # what a checkpoint written before this format looks like
+    sums = json.loads((where / ckpt.CHECKSUMS).read_text())
+    (where / ckpt.CHECKSUMS).write_text(json.dumps({k: v for k, v in sums.items() if k != ckpt.LAYOUT}))
+    try:
+        tr.resume(str(where))
+    except ConfigError as e:
+        errors["old"] = str(e)
+    return errors
+
+
+def test_what_cannot_reshard_is_one_line(tmp_path):
+    e = run_distributed(_errors, 1, str(tmp_path))[0]
+    assert "does not match this run: model.num_layers is 2 there and 3 here" in e["layers"], e
+    assert "does not match this run" in e["sparsity"] and "extra.mask.layers.0.mlp.fc1.weight" in e["sparsity"], e
+    assert "written before checkpoints became layout-independent" in e["old"], e
+    assert e["dense_from_sparse_step"] == "1"
+    assert all("\n" not in v for v in e.values())
