@@ -1,14 +1,18 @@
-"""Sharded checkpoints with torch.distributed.checkpoint, saved atomically.
+"""Sharded checkpoints with torch.distributed.checkpoint that resume at any tp × pp × dp layout, saved atomically.
 
-Each rank contributes its own shards under keys that name its TP/PP coordinates; DP replicas write
-the same keys and DCP stores them once. A save goes to ``<dir>/.tmp-step-N`` and is renamed to
-``<dir>/step-N`` by rank 0 only after every rank finished, so an interrupted save never replaces the
-last good checkpoint. Resuming requires the same tp/pp layout (DP may differ).
+Keys and offsets are layout-independent (docs/decisions/0902): every tensor is saved under a global key
+(``model.<global name>``, ``optim.<global name>.<state>``, ``extra.<name>``; global layer ids) as its pieces of the
+logical global tensor at global offsets (``parallel/shards.py``). A load asks DCP for exactly this rank's pieces at
+its own layout and DCP reads the saved pieces that overlap them. DP replicas are identical, so only DP rank 0
+writes, and TP-replicated tensors only TP rank 0. ``layout.json`` records the writer's layout and the model shape,
+checked before a load: a different model is one line naming the dimension.
 
-Reliability (docs/reliability.md): every file's CRC32 goes into ``checksums.json`` at save and is verified
-before a load; a state with non-finite values is never saved; ``order.txt`` records the run's write order,
-which pruning and ``resume=auto`` follow; resuming from an older step moves the newer checkpoints aside
-(``abandoned-step-N``) so neither pruning nor a later automatic resume can pick the abandoned branch.
+A save goes to ``<dir>/.tmp-step-N`` and is renamed to ``<dir>/step-N`` by rank 0 only after every rank finished, so
+an interrupted save never replaces the last good checkpoint. Reliability (docs/reliability.md): every file's CRC32
+goes into ``checksums.json`` at save and is verified before a load; a state with non-finite values is never saved;
+``order.txt`` records the run's write order, which pruning and ``resume=auto`` follow; resuming from an older step
+moves the newer checkpoints aside (``abandoned-step-N``) so neither pruning nor a later automatic resume can pick
+the abandoned branch.
 """
 
 from __future__ import annotations
@@ -24,13 +28,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megasparse.configbase import ConfigError
 from megasparse.parallel import comm, state
+from megasparse.parallel.shards import global_name, placement
 
 _STEP = re.compile(r"^step-(\d+)$")
 CHECKSUMS = "checksums.json"
 ORDER = "order.txt"
+LAYOUT = "layout.json"
+FORMAT = 2
+"""layout.json's format: 2 = global keys and global-offset pieces (docs/decisions/0902)."""
 
 try:  # DCP's CheckpointException derives from BaseException, so `except Exception` misses it
     from torch.distributed.checkpoint.api import CheckpointException
@@ -97,27 +114,147 @@ def all_finite(sd: dict) -> bool:
     return bool(bad.item() == 0)
 
 
-def _key(name: str, lay: state.Layout | None = None) -> str:
-    lay = lay or state.layout()
-    return f"tp{lay.tp_rank}.pp{lay.pp_rank}.{name}"
+def model_shape(model: torch.nn.Module) -> dict[str, int]:
+    """The shape a checkpoint must share with the model that loads it (any layout); {} for a bare module."""
+    m = getattr(model, "cfg", None)
+    if m is None:
+        return {}
+    return {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.kv_heads,
+        "ffn_hidden_size": m.ffn_size,
+        "vocab_size": model.vocab_size,
+    }
 
 
-def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> dict:
-    sd: dict = {}
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, dict]]:
+    """``optimizer.state_dict()`` with every parameter's state materialised, and that state by local parameter name.
+
+    The one place checkpoints read optimizer state, and ``optimizer.load_state_dict`` (in ``load``) the one place
+    they write it: an optimizer whose ``state_dict()`` gathers its shards into plain AdamW's layout (a distributed
+    optimizer) plugs in here. Parameters are numbered in ``param_groups`` order, torch's own convention. A parameter
+    without state gets zeros at step 0, which is what AdamW's first step starts from.
+    """
+    osd = optimizer.state_dict()
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    by_name: dict[str, dict] = {}
     for name, p in model.named_parameters():
-        sd[_key("model." + name)] = p.data
-        st = optimizer.state.get(p)
-        if st is None:  # materialise empty Adam state so a load has somewhere to write
-            st = optimizer.state[p] = {
+        st = osd["state"].get(index[id(p)])
+        if not st:
+            st = osd["state"][index[id(p)]] = {
                 "step": torch.zeros((), dtype=torch.float32),
                 "exp_avg": torch.zeros_like(p.data),
                 "exp_avg_sq": torch.zeros_like(p.data),
             }
-        for k, v in st.items():
-            sd[_key(f"optim.{name}.{k}")] = v
-    for k, v in extra.items():
-        sd[_key(f"extra.{k}")] = v
-    return sd
+        by_name[name] = st
+    return osd, by_name
+
+
+def _collect(model, optimizer, extra: dict, lay: state.Layout) -> tuple[dict[str, tuple], dict | None]:
+    """Every tensor of a checkpoint by global key, with its placement at this rank's layout; and the optimizer's
+    state dict those tensors belong to (None without an optimizer)."""
+    where = lambda t: placement(t, lay.tp, lay.tp_rank)  # noqa: E731
+    out: dict[str, tuple] = {}
+    for name, p in model.named_parameters():
+        out["model." + global_name(model, name)] = (p.data, where(p))
+    osd = None
+    if optimizer is not None:
+        osd, by_name = optimizer_state(model, optimizer)
+        for name, st in by_name.items():
+            p = model.get_parameter(name)
+            for k, v in st.items():  # moments shard like their parameter; the step count is replicated
+                like = p if v.shape == p.shape else v
+                out[f"optim.{global_name(model, name)}.{k}"] = (v, where(like))
+    for k, v in extra.items():  # scalars are replicated; a 2:4 mask carries its weight's sharding (shard_like)
+        out["extra." + k] = (v, where(v))
+    return out, osd
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Writes each tensor as its pieces of the global tensor, at their global offsets, under its global key."""
+
+    def __init__(self, tensors: dict[str, tuple]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._pieces = {(k, o): v for k, (t, pl) in tensors.items() for o, v in pl.chunks(t)}
+        self._items = [
+            WriteItem(
+                index=MetadataIndex(k, torch.Size(o)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(o), v.shape),
+                    properties=TensorProperties.create_from_tensor(v),
+                    size=torch.Size(tensors[k][1].shape),
+                ),
+            )
+            for (k, o), v in self._pieces.items()
+        ]
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(list(self._items))
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        return self._pieces[(index.fqn, tuple(index.offset))]
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Asks for exactly this rank's pieces at its own layout; DCP reads the saved pieces that overlap them."""
+
+    def __init__(self, tensors: dict[str, tuple]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._tensors = tensors
+        self._pieces = {(k, o): v for k, (t, pl) in tensors.items() for o, v in pl.chunks(t)}
+
+    def create_local_plan(self) -> LoadPlan:
+        saved_md = self.metadata.state_dict_metadata
+        items = []
+        for key, (t, pl) in self._tensors.items():
+            saved = saved_md.get(key)
+            if not isinstance(saved, TensorStorageMetadata):
+                raise ValueError(f"the checkpoint has no tensor {key}")
+            if tuple(saved.size) != pl.shape:
+                raise ValueError(f"size mismatch for {key}: saved {list(saved.size)}, this run {list(pl.shape)}")
+            chunks = [ChunkStorageMetadata(torch.Size(o), v.shape) for o, v in pl.chunks(t)]
+            items += create_read_items_for_chunk_list(key, saved, chunks)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self._pieces[(index.fqn, tuple(index.offset))]
+
+
+def read_layout(ckpt_dir: Path) -> dict:
+    """The writer's layout and model shape (``layout.json``); one line for a checkpoint older than this format."""
+    f = ckpt_dir / LAYOUT
+    if not f.exists():
+        raise ConfigError(
+            f"checkpoint {ckpt_dir} has no {LAYOUT}: it was written before checkpoints became layout-independent "
+            "and this version cannot load it; resume it with the megasparse version that wrote it"
+        )
+    return json.loads(f.read_text())
+
+
+def check_model(ckpt_dir: Path, saved: dict, model: torch.nn.Module) -> None:
+    """One line naming the first model dimension that differs (the layout may differ; the model may not)."""
+    there = saved.get("model", {})
+    for k, v in model_shape(model).items():
+        if k in there and there[k] != v:
+            raise ConfigError(
+                f"checkpoint {ckpt_dir} does not match this run: model.{k} is {there[k]} there and {v} here; "
+                "resume with the same model shape (any parallel.tp/pp/dp)"
+            )
+
+
+def _dcp_load(where: Path, tensors: dict[str, tuple], no_dist: bool = False) -> None:
+    try:
+        dcp.load({k: t for k, (t, _) in tensors.items()}, checkpoint_id=str(where), planner=_LoadPlanner(tensors),
+                 no_dist=no_dist)  # fmt: skip
+    except _LOAD_ERRORS as e:  # noqa: BLE001 - one clear line instead of a DCP traceback
+        raise ConfigError(
+            f"checkpoint {where} does not match this run ({_one_line(e)}); resume with the same model shape and "
+            "sparsity.enabled/layers (any parallel.tp/pp/dp)"
+        ) from e
 
 
 def valid_checkpoints(root: str | os.PathLike) -> list[Path]:
@@ -184,18 +321,23 @@ def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict, keep
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    sd = model_state(model, optimizer, extra)
-    if not all_finite(sd):  # never write, or rotate in, a checkpoint that would resume into NaN
+    lay = state.layout()
+    tensors, _ = _collect(model, optimizer, extra, lay)
+    if not all_finite({k: t for k, (t, _) in tensors.items()}):  # never write, or rotate in, a NaN checkpoint
         return None
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
-    dcp.save(sd, checkpoint_id=str(tmp))
+    # DP replicas are identical: only DP rank 0 writes; TP-replicated tensors (norms, scalars) only TP rank 0
+    mine = {} if lay.dp_rank else {k: v for k, v in tensors.items() if lay.tp_rank == 0 or not v[1].replicated}
+    dcp.save({k: t for k, (t, _) in mine.items()}, checkpoint_id=str(tmp), planner=_SavePlanner(mine))
     if dist.is_initialized():
         dist.barrier()
     if rank0:
+        record = {"format": FORMAT, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model": model_shape(model)}
+        (tmp / LAYOUT).write_text(json.dumps(record))
         write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -210,41 +352,44 @@ def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict, keep
 
 
 def load(path: Path, model, optimizer, extra: dict) -> dict:
-    """Load in place (checksums first); returns ``extra`` with the saved values. Checkpoints this run wrote
-    after ``path`` are then moved aside (see set_aside_newer)."""
+    """Load in place at this run's layout, whatever layout wrote it (checksums and model shape first); returns
+    ``extra`` with the saved values. Checkpoints this run wrote after ``path`` are then moved aside
+    (see set_aside_newer)."""
     path = Path(path)
     verify_checksums(path)
-    sd = model_state(model, optimizer, extra)
-    try:
-        dcp.load(sd, checkpoint_id=str(path))
-    except _LOAD_ERRORS as e:  # noqa: BLE001 - one clear line instead of a DCP traceback
-        raise ConfigError(
-            f"checkpoint {path} does not match this run ({_one_line(e)}); resume with the same model and parallel.tp/pp"
-        ) from e
+    saved = read_layout(path)
+    check_model(path, saved, model)
+    lay = state.layout()
+    tensors, osd = _collect(model, optimizer, extra, lay)
+    _dcp_load(path, tensors)
+    optimizer.load_state_dict(osd)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if dist.is_initialized():
         dist.barrier()
     if rank0:
+        was, now = (saved["tp"], saved["pp"], saved["dp"]), (lay.tp, lay.pp, lay.dp)
+        if was != now:
+            print(f"checkpoint: {path.name} was saved at tp {was[0]} x pp {was[1]} x dp {was[2]}; "
+                  f"resharded to tp {now[0]} x pp {now[1]} x dp {now[2]}", flush=True)  # fmt: skip
         for name, dst in set_aside_newer(path):
             print(f"checkpoint: resuming from {path.name}; moved the later-written {name} aside to {dst}", flush=True)
     if dist.is_initialized():
         dist.barrier()
-    return {k: sd[_key(f"extra.{k}")] for k in extra}
+    return {k: tensors["extra." + k][0] for k in extra}
 
 
 def load_weights(path: str | os.PathLike, model: torch.nn.Module, layout: state.Layout | None = None) -> None:
-    """Load only the model parameters of a checkpoint (a reference model; same tp/pp layout).
+    """Load only the model parameters of a checkpoint (a reference model, inference), at any layout.
 
     ``layout``: the model's own place (a whole-model reference on the last stage: pp=1); it is then read by this
     rank alone, since the other pipeline stages hold no reference and cannot join a collective load.
     """
     where = resolve_resume(str(path))
     verify_checksums(where)
-    sd = {_key("model." + name, layout): p.data for name, p in model.named_parameters()}
-    try:
-        dcp.load(sd, checkpoint_id=str(where), no_dist=layout is not None)
-    except _LOAD_ERRORS as e:  # noqa: BLE001
-        raise ConfigError(
-            f"checkpoint {where} does not match this model ({_one_line(e)}); "
-            "it must come from the same model shape and parallel.tp/pp"
-        ) from e
+    check_model(where, read_layout(where), model)
+    lay = layout or state.layout()
+    tensors = {
+        "model." + global_name(model, n): (p.data, placement(p, lay.tp, lay.tp_rank))
+        for n, p in model.named_parameters()
+    }
+    _dcp_load(where, tensors, no_dist=layout is not None)

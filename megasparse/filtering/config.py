@@ -27,7 +27,7 @@ class FilterConfig:
     ngram_path: str | None = None
     """Counts file written by ``megasparse ref ngram`` (reference: ngram)."""
     ref_checkpoint: str | None = None
-    """Checkpoint of a same-architecture reference model (reference: model)."""
+    """Checkpoint of a same-architecture reference model, saved at any tp/pp layout (reference: model)."""
 
     def validate(self) -> None:
         if not 0.0 < self.keep_ratio <= 1.0:

@@ -109,7 +109,7 @@ class InferenceModel(torch.nn.Module):
 
 
 def load_model_for_inference(cfg: Config, ckpt_dir: str) -> InferenceModel:
-    """Build a one-process model (tp = pp = 1) and load a checkpoint saved with that layout; ``cfg`` is not changed."""
+    """Build a one-process model (tp = pp = 1) and load a checkpoint saved at any layout; ``cfg`` is not changed."""
     cfg = copy.deepcopy(cfg)
     cfg.parallel.tp = cfg.parallel.pp = 1
     cfg.parallel.sequence_parallel = False

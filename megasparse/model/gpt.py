@@ -157,6 +157,7 @@ class GPTStage(nn.Module):
             self.output_weight = nn.Parameter(full[self.vocab_start : self.vocab_start + per_rank].contiguous())
             self.output_weight.tp_spec = (0, [vocab_padded // (lay.pp if self.vocab_pp else 1)])
             self.output_weight.pp_vocab = self.vocab_pp
+            self.output_weight.vocab_rows = (self.vocab_start, vocab_size)  # global rows (parallel/shards.py)
         cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

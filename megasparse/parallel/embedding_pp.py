@@ -62,6 +62,7 @@ class PPEmbedding(nn.Module):
         self.weight = nn.Parameter(full[self.start : self.start + per].contiguous())
         self.weight.tp_spec = (0, [stage])
         self.weight.pp_vocab = True
+        self.weight.vocab_rows = (self.start, vocab_size)  # global rows (checkpoints; parallel/shards.py)
         self.sp = sequence_parallel
         self.dtype = compute_dtype
         self._local: list[Tensor] | None = None  # (local index, in-slice mask) of the step's ids

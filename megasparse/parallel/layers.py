@@ -275,6 +275,7 @@ class VocabParallelEmbedding(_ParallelBase):
         self.vocab_start = lay.tp_rank * self.per_rank
         self.weight = nn.Parameter(full[self.vocab_start : self.vocab_start + self.per_rank].contiguous())
         self.weight.tp_spec = (0, [vocab_padded])
+        self.weight.vocab_rows = (self.vocab_start, vocab_size)  # global rows; padding past vocab_size
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return VocabEmbeddingFn.apply(ids, self.weight, self.vocab_start, self.sequence_parallel, self.compute_dtype)

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megasparse.parallel.shards import shard_like
 from megasparse.sparse24.config import SparsityConfig
 from megasparse.sparse24.gemm import Sparse24Gemm
 from megasparse.sparse24.recipe import SparsityManager
@@ -69,8 +70,10 @@ class Sparse24Converter:
         return out
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        """Masks (and the dense switch) as checkpoint extra-state tensors."""
-        extra = {_MASK + n: m.to(torch.uint8) for n, m in self.manager.masks.items()}
+        """Masks (and the dense switch) as checkpoint extra-state tensors; a mask shards like its weight, so a
+        checkpoint resumes with its masks at another TP/PP layout (``n`` is a global name: global layer ids)."""
+        w = self.manager.weights
+        extra = {_MASK + n: shard_like(m.to(torch.uint8), w[n]) for n, m in self.manager.masks.items()}
         extra["sparsity_dense"] = torch.tensor(int(self.manager.dense))
         return extra
 
