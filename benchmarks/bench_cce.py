@@ -153,27 +153,18 @@ def measure(name, h, w, t) -> dict:
 
 
 def sweep_gemm(h, w, t, rows: list[dict]) -> None:
-    """fwd+bwd of the GEMM backend (the default) with S in fp32 (P in its own buffer) or in the input dtype (P over
-    S) at a few chunk widths: GEMM efficiency against scratch memory (decision 0203)."""
+    """Backward of the GEMM backend (the default) at a few (S, P) widths: GEMM efficiency against scratch memory
+    (decision 0203). S is fp32 (the default); P spans one or more S sub-chunks."""
     from megasparse.loss import cce_gemm
 
     n, v = h.shape[0], w.shape[0]
     g = torch.ones(n, device=h.device)
-    default = cce_gemm.LOGITS_FP32
-    for fp32, chunks in ((True, (1024, 2048)), (False, (2048, 3072, 4096))):
-        cce_gemm.LOGITS_FP32 = fp32
-        for c in chunks:
-
-            def run(c=c):
-                lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v, chunk=c)
-                cce_gemm.gemm_shard_backward(h, w, t, lse, g, g, v, chunk=c)
-
-            ms = bench_ms(run)
-            mb = n * c * ((4 + h.element_size()) if fp32 else h.element_size()) / 2**20
-            rows.append(dict(kind="gemm_sweep", chunk=c, logits_fp32=fp32, ms=ms, scratch_mb=mb))
-            dt = "fp32" if fp32 else "bf16"
-            print(f"gemm chunk {c} S {dt}: {ms:.2f} ms fwd+bwd, {mb:.0f} MB scratch", flush=True)
-    cce_gemm.LOGITS_FP32 = default
+    lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v)
+    for sub, chunk in ((1024, 1024), (768, 1536), (512, 2048), (1024, 2048)):
+        ms = bench_ms(lambda s=sub, c=chunk: cce_gemm.gemm_shard_backward(h, w, t, lse, g, g, v, chunk=c, sub=s))
+        mb = n * (sub * 4 + chunk * h.element_size()) / 2**20
+        rows.append(dict(kind="gemm_sweep", s_cols=sub, p_cols=chunk, bwd_ms=ms, scratch_mb=mb))
+        print(f"gemm backward S {sub} / P {chunk} columns: {ms:.2f} ms, {mb:.0f} MB scratch", flush=True)
 
 
 def sweep(h, w, t, rows: list[dict]) -> None:

@@ -94,11 +94,11 @@ def _run_gemm_cases() -> None:
     import torch
 
     from megasparse.loss import LossConfig, vocab_parallel_loss
-    from megasparse.loss.cce_gemm import chunk_cols, gemm_shard_backward, gemm_shard_forward
+    from megasparse.loss.cce_gemm import backward_chunks, chunk_cols, gemm_shard_backward, gemm_shard_forward
     from megasparse.loss.reference import torch_shard_backward, torch_shard_forward
 
-    assert chunk_cols(8192, 128256, 2, s_bytes=4) == 1024 and chunk_cols(8192, 128256, 2, s_bytes=2) == 3072
-    assert chunk_cols(10**6, 5000, 2) == 256 and chunk_cols(3, 300, 2) == 300
+    assert chunk_cols(8192, 128256, 4) == 1536 and chunk_cols(10**6, 5000, 2) == 256 and chunk_cols(3, 300, 2) == 300
+    assert backward_chunks(8192, 128256, 2, 4) == (512, 2048) and backward_chunks(8192, 128256, 2, 2) == (3072, 3072)
     for i, (n, v, pad, d, sc) in enumerate(((37, 300, 3, 48, None), (53, 261, 0, 40, 5.0))):
         g = torch.Generator().manual_seed(200 + i)
         h = torch.randn(n, d, generator=g)
@@ -110,10 +110,11 @@ def _run_gemm_cases() -> None:
         r_lse, r_tg = torch_shard_forward(h, w, t, v, sc)
         torch.testing.assert_close(lse, r_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(tg, r_tg, rtol=1e-5, atol=1e-5)
-        d_e, d_c = gemm_shard_backward(h, w, t, lse, gs, gt, v, sc, chunk=128)
         r_e, r_c = torch_shard_backward(h, w, t, lse, gs, gt, v, sc)
-        torch.testing.assert_close(d_e, r_e, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(d_c, r_c, rtol=1e-5, atol=1e-5)
+        for chunk, sub in ((128, None), (128, 48)):  # P of 128 columns from S sub-chunks of 48 (a ragged last one)
+            d_e, d_c = gemm_shard_backward(h, w, t, lse, gs, gt, v, sc, chunk=chunk, sub=sub)
+            torch.testing.assert_close(d_e, r_e, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(d_c, r_c, rtol=1e-5, atol=1e-5)
         assert d_e[3].eq(0).all() and d_c[v:].eq(0).all()
         d_e32, _ = gemm_shard_backward(h, w, t, lse, gs, gt, v, sc, accum_fp32=True, chunk=128)
         torch.testing.assert_close(d_e32, r_e, rtol=1e-5, atol=1e-5)

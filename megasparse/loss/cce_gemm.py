@@ -11,7 +11,7 @@ every FLOP runs in a vendor GEMM and nothing is added under a lock:
   row lives in one chunk) and dE += P·W_c (cuBLAS accumulates in fp32 and rounds once per chunk, instead of once
   per 128-column tile under a lock).
 
-Memory is bounded by the chunk: ``chunk_cols`` keeps S (fp32) and P under ``CHUNK_BYTES`` whatever the row count,
+Memory is bounded by the chunk: ``backward_chunks`` keeps S (fp32) and P under ``CHUNK_BYTES`` whatever the row count,
 so the [rows, V] logits never exist. The work is 8·N·V·D FLOPs (the materialised loss does 6·N·V·D plus several
 passes over fp32 logits): decision 0203 has the measurements. This path is exact: ``loss.filter_eps`` and
 ``sort_vocab`` belong to the tile kernels (block-sparse Triton GEMMs that skip the filtered P tiles were measured
@@ -32,6 +32,9 @@ LOGITS_FP32 = True
 """True (the default): S leaves the bf16 GEMM in fp32, the tile kernels' logit precision. False: S in the input dtype
 (as the materialised losses, megatron-core's too, round logits) with P over it in place, so the scratch holds chunks
 3× as wide: 3–8% faster on H100, but bf16 dC error against fp64 rises from 1.5e-2 to 6.6e-2 (decision 0203)."""
+P_PER_S = 4
+"""With S in fp32: P chunks span this many S sub-chunks (48 MB: S 512 and P 2048 columns at 8192 rows; the Llama-shape
+backward took 40.8 ms against 42.5 at S = P = 1024 and 44.6 at S 768 / P 1536, H100)."""
 _MIN_COLS = 256
 
 if triton is not None:
@@ -103,15 +106,24 @@ def _s_dtype(h: Tensor) -> torch.dtype:
     return torch.float32 if LOGITS_FP32 or h.dtype == torch.float64 else h.dtype
 
 
-def chunk_cols(n_rows: int, n_cols: int, elem_bytes: int, budget: int | None = None, s_bytes: int = 4) -> int:
-    """Vocabulary columns per chunk: S (``s_bytes``) + P (``elem_bytes``, none when P overwrites S) of [n_rows, c]
-    within ``budget`` (a multiple of 128 so the GEMMs tile evenly; at least ``_MIN_COLS`` so a huge row count still
-    gets GEMM-sized chunks)."""
+def chunk_cols(n_rows: int, n_cols: int, bytes_per_col: int, budget: int | None = None) -> int:
+    """Vocabulary columns per chunk when each column costs ``bytes_per_col`` per row: within ``budget`` (a multiple of
+    128 so the GEMMs tile evenly; at least ``_MIN_COLS`` so a huge row count still gets GEMM-sized chunks)."""
     budget = CHUNK_BYTES if budget is None else budget
-    per = s_bytes + (elem_bytes if s_bytes != elem_bytes else 0)
-    c = budget // max(1, n_rows * per)
+    c = budget // max(1, n_rows * bytes_per_col)
     c = max(_MIN_COLS, c // 128 * 128)
     return min(c, n_cols)
+
+
+def backward_chunks(n_rows: int, n_cols: int, elem_bytes: int, s_bytes: int) -> tuple[int, int]:
+    """(S columns, P columns) of the backward. With S in fp32, P (the input dtype) spans ``P_PER_S`` S sub-chunks, so
+    the dE GEMM's K is that much longer and dE is re-read and re-written that many times less (per chunk it costs
+    [rows, D] of traffic: 3.4 of 14 ms on the Llama shape at 1024 columns, H100). P over S in place: one width."""
+    if s_bytes == elem_bytes:
+        c = chunk_cols(n_rows, n_cols, elem_bytes)
+        return c, c
+    cs = chunk_cols(n_rows, n_cols, s_bytes + P_PER_S * elem_bytes)
+    return cs, min(n_cols, P_PER_S * cs)
 
 
 def _scratch(n: int, c: int, dtype: torch.dtype, device) -> Tensor:
@@ -136,8 +148,11 @@ def _mm_into(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     return out.copy_(torch.mm(a, b))
 
 
-def _blocks(h: Tensor) -> tuple[int, int]:
-    return (16, 32) if not h.is_cuda else (32, 256)
+def _blocks(h: Tensor, kind: str) -> tuple[int, int]:
+    """(rows, columns) per program: the stats kernel loops over columns, so few rows each keep every SM busy."""
+    if not h.is_cuda:
+        return (16, 32)
+    return (8, 512) if kind == "stats" else (32, 256)
 
 
 def gemm_shard_forward(
@@ -151,10 +166,10 @@ def gemm_shard_forward(
         return lse, tlogit
     h = h.contiguous()
     s_dt = _s_dtype(h)
-    c_max = chunk or chunk_cols(n, n_valid, h.element_size(), s_bytes=s_dt.itemsize)
+    c_max = chunk or chunk_cols(n, n_valid, s_dt.itemsize)
     buf = _scratch(n, c_max, s_dt, h.device)
     t32 = tgt.to(torch.int32).contiguous()
-    br, bc = _blocks(h)
+    br, bc = _blocks(h, "stats")
     for v0 in range(0, n_valid, c_max):
         c = min(c_max, n_valid - v0)
         s = _mm_into(h, w[v0 : v0 + c].t(), _view(buf, n, c))
@@ -176,11 +191,12 @@ def gemm_shard_backward(
     softcap: float | None = None,
     accum_fp32: bool = False,
     chunk: int | None = None,
+    sub: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(dE [n, D] in h.dtype, dC [V_local, D] in w.dtype) for dlogits = gs·softmax(S − lse) − gt·onehot(tgt).
 
     ``accum_fp32`` keeps the running dE in fp32 ([n, D] scratch) instead of rounding it to the input dtype after
-    every chunk."""
+    every chunk. ``chunk``/``sub`` override the P and S widths (tests, sweeps)."""
     n, d = h.shape
     h, w = h.contiguous(), w.contiguous()
     d_c = torch.empty_like(w)
@@ -192,21 +208,27 @@ def gemm_shard_backward(
         d_c.zero_()
         return d_e.to(h.dtype), d_c
     s_dt = _s_dtype(h)
-    c_max = chunk or chunk_cols(n, n_valid, h.element_size(), s_bytes=s_dt.itemsize)
-    s_buf = _scratch(n, c_max, s_dt, h.device)
-    p_buf = s_buf if s_dt == h.dtype else _scratch(n, c_max, h.dtype, h.device)  # P overwrites S in place
+    cs, cp = backward_chunks(n, n_valid, h.element_size(), s_dt.itemsize)
+    cp = chunk or cp
+    cs = min(cp, sub or (cp if s_dt == h.dtype else cs))
+    s_buf = _scratch(n, cs, s_dt, h.device)
+    inplace = s_dt == h.dtype and cs == cp  # P overwrites S
+    p_buf = s_buf if inplace else _scratch(n, cp, h.dtype, h.device)
     t32 = tgt.to(torch.int32).contiguous()
     lse, gs, gt = (x.float().contiguous() for x in (lse, gs, gt))
-    br, bc = _blocks(h)
-    for v0 in range(0, n_valid, c_max):
-        c = min(c_max, n_valid - v0)
-        wc = w[v0 : v0 + c]
-        s = _mm_into(h, wc.t(), _view(s_buf, n, c))
+    br, bc = _blocks(h, "grad")
+    for v0 in range(0, n_valid, cp):
+        c = min(cp, n_valid - v0)
         p = _view(p_buf, n, c)
-        _grad_kernel[(triton.cdiv(n, br), triton.cdiv(c, bc))](
-            s, p, lse, gs, gt, t32, n, c, v0, s.stride(0), p.stride(0), float(softcap or 1.0),
-            HAS_SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=4,
-        )  # fmt: skip
+        for s0 in range(0, c, cs):  # S sub-chunks fill P's columns
+            cw = min(cs, c - s0)
+            s = _mm_into(h, w[v0 + s0 : v0 + s0 + cw].t(), _view(s_buf, n, cw))
+            ps = p[:, s0 : s0 + cw]
+            _grad_kernel[(triton.cdiv(n, br), triton.cdiv(cw, bc))](
+                s, ps, lse, gs, gt, t32, n, cw, v0 + s0, s.stride(0), ps.stride(0), float(softcap or 1.0),
+                HAS_SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=4,
+            )  # fmt: skip
+        wc = w[v0 : v0 + c]
         torch.mm(p.t(), h, out=d_c[v0 : v0 + c])
         if acc_dtype == p.dtype:
             d_e.addmm_(p, wc)
