@@ -181,10 +181,11 @@ class StageComm:
         """One batch of the interleaved schedule (an ``interleaved.Comm``): send ``y`` on and ``g`` back, receive
         an input and an output gradient, all posted at once.
 
-        Forward ops first, then backward ones: with pp = 2 both peers are one rank, and this order is what keeps
-        activations and gradients apart on that channel. Compact gradients whose row count only the indices tell
-        send their rows in a second batch with the receive of the rows: held in the first batch, round the ring
-        every rank would wait for a receive its peer posts only after that batch."""
+        Forward ops first, then backward ones, on every rank: with pp = 2 both peers are one rank, activations and
+        gradients share one channel, and both ends must post them in one order (the plan pairs the batches;
+        ``interleaved.simulate`` checks it). Compact gradients whose row count only the indices tell send their
+        rows in a second batch with the receive of the rows: held in the first batch, round the ring every rank
+        would wait for a receive its peer posts only after that batch."""
         ops: list = [("send", y.contiguous(), self.next, "forward")] if y is not None else []
         x = self._act() if want_x else None
         if x is not None:
