@@ -150,6 +150,16 @@ class Config:
             )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")
+        if p.virtual_stages > 1 and self.loss.vocab_over_pp:
+            raise ConfigError(
+                "loss.vocab_over_pp=true runs a lock-step schedule, not interleaved 1F1B; "
+                "set parallel.virtual_stages=1 or loss.vocab_over_pp=false"
+            )
+        if p.virtual_stages > 1 and self.num_microbatches(dp) % p.pp:
+            raise ConfigError(
+                f"parallel.virtual_stages={p.virtual_stages}: {self.num_microbatches(dp)} micro-batches per step "
+                f"(train.global_batch_size / (micro_batch_size x dp)) must be a multiple of parallel.pp={p.pp}"
+            )
         split = self.loss.embedding_pp_split
         if split is not None and (len(split) != p.pp or min(split) < 0 or abs(sum(split) - 1.0) > 1e-6):
             raise ConfigError(

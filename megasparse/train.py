@@ -42,7 +42,7 @@ from megasparse.model.builder import (
 )
 from megasparse.ops.compact import KeepHolder
 from megasparse.parallel import comm, grads, state
-from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, lockstep, one_f_one_b
+from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, forward_only, lockstep, one_f_one_b
 from megasparse.sparse24.converter import Sparse24Converter
 
 __all__ = ["InferenceModel", "StepResult", "Trainer", "build_data", "load_model_for_inference", "main", "run_training"]
@@ -108,7 +108,7 @@ class Trainer:
                 compute_dtype=self.compute_dtype,
                 kept_rows=kept,
             )
-        self.p2p = StageComm(spec)
+        self.p2p = StageComm(spec, cfg.parallel.virtual_stages)  # v > 1: one_f_one_b interleaves the chunks
         self.step = 0
         self.consumed = 0
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)  # reliability: skip non-finite steps
@@ -139,12 +139,12 @@ class Trainer:
             if inputs is not None and train:
                 inputs = [catch_grad(x, c) for x, c in zip(inputs, caught)]
 
-        def forward_step(i: int, x: torch.Tensor | None, batch: Batch | None = None) -> torch.Tensor:
+        def forward_step(i: int, x: torch.Tensor | None, chunk: int = 0, batch: Batch | None = None) -> torch.Tensor:
             batch = batches[i] if batch is None else batch
             ids = batch.ids if inputs is None else inputs[i]
-            keep = KeepHolder()
-            out = self.model(ids if self.lay.is_first_stage else x, batch.targets, keep)
-            if not self.lay.is_last_stage:
+            keep, stage = KeepHolder(), self.model.chunks[chunk]  # virtual stages: this rank's chunk `chunk`
+            out = stage(ids if stage.first else x, batch.targets, keep)
+            if not stage.last:
                 return out
             acc["loss"] += out.detach().double().sum()
             if not filtering:
@@ -154,7 +154,7 @@ class Trainer:
         def backward_step(i: int, out: torch.Tensor, g: torch.Tensor | None) -> None:
             torch.autograd.backward(out, g)
 
-        replay = lambda b: backward_step(0, forward_step(0, None, b), None)  # noqa: E731
+        replay = lambda b: backward_step(0, forward_step(0, None, 0, b), None)  # noqa: E731
         if train and self.graphs.run(batches, replay, acc, self.step):  # one captured micro-batch, replayed
             pass
         elif train and self.model.vocab_pp:  # the output layer's slices meet once per micro-batch: lock step
@@ -166,14 +166,10 @@ class Trainer:
         elif train:
             one_f_one_b(len(batches), self.p2p, forward_step, backward_step)
         else:
+            peer = self.vocab_peer  # loss.vocab_over_pp: this stage's slice joins each micro-batch's loss
+            after = None if peer is None else lambda i: peer.step(batches[i].targets, train=False)
             with torch.no_grad():
-                for i in range(len(batches)):
-                    x = self.p2p.recv_forward()
-                    y = forward_step(i, x)
-                    if not self.lay.is_last_stage:
-                        self.p2p.send_forward(y)
-                    if self.vocab_peer is not None:
-                        self.vocab_peer.step(batches[i].targets, train=False)
+                forward_only(len(batches), self.p2p, forward_step, after)
         return acc["loss"], tokens_per_mb * len(batches)
 
     def _global_mean(self, loss_sum: torch.Tensor, tokens: int) -> float:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
 from megasparse.config import Config, OptimConfig
-from megasparse.model.gpt import GPTStage
+from megasparse.model.gpt import GPTStage, StageChunks
 from megasparse.ops.compact import KeepHolder
 from megasparse.parallel import state
 
@@ -60,24 +60,34 @@ def embedding_rows(cfg: Config, vocab: int) -> list[int] | None:
 
 def build_model(
     cfg: Config, vocab: int, *, device: torch.device, compute_dtype: torch.dtype, whole: bool = False
-) -> GPTStage:
+) -> GPTStage | StageChunks:
     """This rank's pipeline stage of ``cfg``'s model; ``whole``: every layer in one stage on this rank's TP
-    group, whatever the pipeline layout (the online reference model, run by the last stage)."""
+    group, whatever the pipeline layout (the online reference model, run by the last stage). With
+    ``parallel.virtual_stages`` = v > 1, the rank's v chunks: chunk c is virtual stage c·pp + pp_rank."""
     m = cfg.model
     whole_layout = dataclasses.replace(state.layout(), pp=1, pp_rank=0) if whole else None
-    return GPTStage(
-        m,
-        [m.num_layers] if whole else cfg.parallel.stage_layers(m.num_layers),
-        vocab,
-        cfg.padded_vocab(vocab),
-        seed=cfg.train.seed,
-        device=device,
-        compute_dtype=compute_dtype,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        loss=cfg.loss,
-        embedding_rows=None if whole else embedding_rows(cfg, vocab),
-        layout=whole_layout,
-    )
+
+    def stage(virtual_stage: int | None = None) -> GPTStage:
+        return GPTStage(
+            m,
+            [m.num_layers] if whole else cfg.parallel.stage_layers(m.num_layers),
+            vocab,
+            cfg.padded_vocab(vocab),
+            seed=cfg.train.seed,
+            device=device,
+            compute_dtype=compute_dtype,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            loss=cfg.loss,
+            embedding_rows=None if whole else embedding_rows(cfg, vocab),
+            layout=whole_layout,
+            virtual_stage=virtual_stage,
+        )
+
+    v = cfg.parallel.virtual_stages
+    if whole or v == 1:
+        return stage()
+    lay = state.layout()
+    return StageChunks([stage(c * lay.pp + lay.pp_rank) for c in range(v)])
 
 
 def build_optimizer(model: torch.nn.Module, o: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -114,6 +124,7 @@ def load_model_for_inference(cfg: Config, ckpt_dir: str) -> InferenceModel:
     cfg.parallel.tp = cfg.parallel.pp = 1
     cfg.parallel.sequence_parallel = False
     cfg.parallel.layer_split = None
+    cfg.parallel.virtual_stages = 1
     cfg.filter.mode = "off"
     cfg.validate(state.world_env()[1])
     from megasparse.data.dataset import build_data

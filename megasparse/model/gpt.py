@@ -2,7 +2,8 @@
 
 A stage holds a contiguous range of transformer blocks; the first stage also owns the
 vocabulary-parallel input embedding, the last the final norm and the vocabulary-parallel output
-layer. Every parameter is initialised from a seed and its global name, so any TP/PP/DP layout
+layer. With virtual pipeline stages a rank holds several such stages (``StageChunks``), one per
+chunk. Every parameter is initialised from a seed and its global name, so any TP/PP/DP layout
 starts from the same full model. Activations are [s, b, h], sequence-sharded under SP.
 """
 
@@ -114,10 +115,13 @@ class GPTStage(nn.Module):
         loss: LossConfig | None = None,
         embedding_rows: list[int] | None = None,
         layout: state.Layout | None = None,
+        virtual_stage: int | None = None,
     ):
-        """``embedding_rows``: input-embedding rows per pipeline stage under embedding_over_pp (None: even).
-        ``layout``: this stage's place in the grid (default: the global one); a whole-model reference on the last
-        pipeline stage passes its TP place with pp=1. Layers below read only TP from the global layout."""
+        """``layers_per_stage``: layers of every (virtual) stage, in pipeline order. ``embedding_rows``:
+        input-embedding rows per pipeline stage under embedding_over_pp (None: even). ``layout``: this stage's
+        place in the grid (default: the global one); a whole-model reference on the last pipeline stage passes
+        its TP place with pp=1. Layers below read only TP from the global layout. ``virtual_stage``: which entry
+        of ``layers_per_stage`` this is (default: the pipeline rank; chunk c of rank r is c·pp + r)."""
         super().__init__()
         lay = self.layout = layout or state.layout()
         self.cfg = cfg
@@ -125,9 +129,10 @@ class GPTStage(nn.Module):
         self.compute_dtype = compute_dtype
         self.sp = sequence_parallel
         self.loss_cfg = loss or LossConfig()
-        self.first, self.last = lay.is_first_stage, lay.is_last_stage
-        start = sum(layers_per_stage[: lay.pp_rank])
-        self.layer_ids = list(range(start, start + layers_per_stage[lay.pp_rank]))
+        vs = lay.pp_rank if virtual_stage is None else virtual_stage
+        self.first, self.last = vs == 0, vs == len(layers_per_stage) - 1
+        start = sum(layers_per_stage[:vs])
+        self.layer_ids = list(range(start, start + layers_per_stage[vs]))
         kw = dict(seed=seed, device=device, sequence_parallel=sequence_parallel, compute_dtype=compute_dtype)
         # loss.vocab_over_pp: every pipeline rank holds a slice of the output layer (loss/pipeline.py),
         # and with loss.embedding_over_pp a slice of the input embedding, which the trainer drives per step
@@ -209,3 +214,44 @@ class GPTStage(nn.Module):
     def param_is_sharded(self, name: str) -> bool:
         """TP-sharded parameters differ across TP ranks; the norms are replicated."""
         return hasattr(self.get_parameter(name), "tp_spec")
+
+    @property
+    def chunks(self) -> list[GPTStage]:
+        """The model chunks this rank runs, in virtual-stage order: just this stage (see ``StageChunks``)."""
+        return [self]
+
+    def global_name(self, name: str) -> str:
+        """A parameter's name in the whole model: stage-local ``layers.<i>.`` becomes the global layer index."""
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            return f"layers.{self.layer_ids[int(i)]}.{rest}"
+        return name
+
+
+class StageChunks(nn.Module):
+    """A pipeline rank's model chunks under ``parallel.virtual_stages`` > 1: chunk c is virtual stage c·pp + r.
+
+    The trainer, optimizer, gradient reduction and checkpoints see one module whose parameters are every
+    chunk's (local names ``chunks.<c>.…``); ``global_name`` maps them to the whole model's names."""
+
+    vocab_pp = False
+    """The vocabulary over the pipeline is not combined with virtual stages (rejected by the config)."""
+    embedding_pp = False
+
+    def __init__(self, chunks: list[GPTStage]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.first, self.last = chunks[0].first, chunks[-1].last
+        self.layer_ids = [i for c in chunks for i in c.layer_ids]
+
+    def ffn_linears(self, layers: set[int] | None = None) -> dict[str, nn.Module]:
+        """Every chunk's FFN linears (global weight names, so chunks never collide)."""
+        return {k: v for c in self.chunks for k, v in c.ffn_linears(layers).items()}
+
+    def param_is_sharded(self, name: str) -> bool:
+        return hasattr(self.get_parameter(name), "tp_spec")
+
+    def global_name(self, name: str) -> str:
+        """``chunks.<c>.<local>`` -> chunk c's global name of ``<local>`` (the checkpoint-resharding map)."""
+        _, c, rest = name.split(".", 2)
+        return self.chunks[int(c)].global_name(rest)

@@ -200,11 +200,13 @@ def broadcast(t: torch.Tensor, src: int, group, group_name: str, region: str | N
     _record("broadcast", group_name, t, region, t0)
 
 
-def p2p(ops: list[tuple[str, torch.Tensor, int]], group, group_name: str = "pp", region: str = "pipeline"):
-    """Batched point-to-point: ``ops`` is a list of ("send"|"recv", tensor, global peer rank).
+def p2p(ops: list[tuple], group, group_name: str = "pp", region: str = "pipeline"):
+    """Batched point-to-point: ``ops`` is a list of ("send"|"recv", tensor, global peer rank[, phase]).
 
     Returns after all transfers are done. Under gloo each op is issued separately (gloo has no
     batch_isend_irecv fusion), under NCCL they are batched so sends and receives cannot deadlock.
+    An op's optional phase tags its record (one batch of the interleaved schedule carries activations
+    and gradients); without one the current ``phase`` applies.
     """
     if not ops:
         return
@@ -212,19 +214,20 @@ def p2p(ops: list[tuple[str, torch.Tensor, int]], group, group_name: str = "pp",
     t0 = _t0(ops[0][1]) if rec is not None else None
     n0 = len(rec.records) if rec is not None else 0
     if ops[0][1].is_cuda:
-        p2p_ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, group) for kind, t, peer in ops]
+        p2p_ops = [dist.P2POp(dist.isend if op[0] == "send" else dist.irecv, op[1], op[2], group) for op in ops]
         for w in dist.batch_isend_irecv(p2p_ops):
             w.wait()
     else:
         works = []
-        for kind, t, peer in ops:
+        for kind, t, peer, *_ in ops:
             fn = dist.isend if kind == "send" else dist.irecv
             works.append(fn(t, peer, group=group))
         for w in works:
             w.wait()
-    for kind, t, _ in ops:
+    for kind, t, _, *tag in ops:
         if kind == "send":
-            _record("send", group_name, t, region, None)
+            with phase(tag[0]) if tag else contextlib.nullcontext():
+                _record("send", group_name, t, region, None)
     if t0 is not None and rec is not None and len(rec.records) > n0:
         # the batch's time goes on its own last send (a receive-only batch has no record to carry it)
         torch.cuda.synchronize(ops[0][1].device)

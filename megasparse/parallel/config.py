@@ -19,7 +19,13 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norms/residuals over the sequence in TP regions (needs tp > 1)."""
     layer_split: list[int] | None = None
-    """Layers per pipeline stage, e.g. [3, 5]; None splits evenly (remainder to the first stages)."""
+    """Layers per pipeline stage, e.g. [3, 5]; None splits evenly (remainder to the first stages). With
+    virtual_stages > 1: layers per virtual stage, pp·virtual_stages entries in virtual-stage order (chunk c of
+    rank r is entry c·pp + r)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (Megatron's interleaved 1F1B): chunk c of rank r holds virtual stage
+    c·pp + r. The bubble falls from (pp−1)/(M+pp−1) to (pp−1)/(v·M+pp−1) of a step for v times the pipeline
+    transfers; needs pp > 1 and micro-batches per step a multiple of pp (docs/decisions/0802)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
 
@@ -36,10 +42,13 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.pp={self.pp} is more pipeline stages than model.num_layers={num_layers}; lower parallel.pp"
             )
+        self._validate_virtual(num_layers)
+        stages = self.pp * self.virtual_stages
         if self.layer_split is not None:
-            if len(self.layer_split) != self.pp or sum(self.layer_split) != num_layers:
+            if len(self.layer_split) != stages or sum(self.layer_split) != num_layers:
+                per = "" if self.virtual_stages == 1 else " (pp x virtual_stages, one per virtual stage)"
                 raise ConfigError(
-                    f"parallel.layer_split={self.layer_split} must have {self.pp} entries summing to "
+                    f"parallel.layer_split={self.layer_split} must have {stages} entries{per} summing to "
                     f"model.num_layers={num_layers}"
                 )
             if min(self.layer_split) < 1:
@@ -53,9 +62,22 @@ class ParallelConfig:
             )
         return world_size // (self.tp * self.pp)
 
+    def _validate_virtual(self, num_layers: int) -> None:
+        v = self.virtual_stages
+        if v < 1:
+            raise ConfigError(f"parallel.virtual_stages={v} must be >= 1 (1: plain 1F1B)")
+        if v > 1 and self.pp == 1:
+            raise ConfigError(f"parallel.virtual_stages={v} needs parallel.pp > 1 (chunks interleave over stages)")
+        if v > 1 and self.layer_split is None and num_layers % (self.pp * v):
+            raise ConfigError(
+                f"model.num_layers={num_layers} is not divisible by parallel.pp x parallel.virtual_stages="
+                f"{self.pp * v}; change them or give parallel.layer_split per virtual stage"
+            )
+
     def stage_layers(self, num_layers: int) -> list[int]:
-        """Number of layers on each pipeline stage."""
+        """Number of layers on each pipeline stage (each virtual stage, in virtual-stage order, when v > 1)."""
         if self.layer_split is not None:
             return list(self.layer_split)
-        base, rem = divmod(num_layers, self.pp)
-        return [base + (1 if i < rem else 0) for i in range(self.pp)]
+        stages = self.pp * self.virtual_stages
+        base, rem = divmod(num_layers, stages)
+        return [base + (1 if i < rem else 0) for i in range(stages)]

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from megasparse.parallel import state
-from megasparse.parallel.shards import global_name
 
 
 def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torch.Tensor:
@@ -18,7 +17,8 @@ def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torc
 
 
 def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters (or their gradients) of the whole model, on every rank, by global names."""
+    """Full (unsharded) parameters (or their gradients) of the whole model, on every rank, by global names
+    (``model.global_name``: a ``GPTStage`` or a rank's ``StageChunks``)."""
     lay = state.layout()
     local: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
@@ -28,13 +28,13 @@ def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, to
             parts = [torch.empty_like(t) for _ in range(lay.tp)]
             dist.all_gather(parts, t.contiguous(), group=state.tp_group())
             t = unshard(parts, spec[0], spec[1])
-        local[global_name(model, name)] = t.cpu()
+        local[model.global_name(name)] = t.cpu()
     if lay.pp == 1:
         return local
     gathered: list[dict] = [None] * lay.pp  # type: ignore[list-item]
     dist.all_gather_object(gathered, local, group=state.pp_group())
     # loss.vocab_over_pp: the output weight is sliced over PP too; pp ranks hold consecutive slices
-    pp_vocab = {global_name(model, n) for n, p in model.named_parameters() if getattr(p, "pp_vocab", False)}
+    pp_vocab = {model.global_name(n) for n, p in model.named_parameters() if getattr(p, "pp_vocab", False)}
     out: dict[str, torch.Tensor] = {}
     for d in gathered:
         for k, v in d.items():

@@ -6,6 +6,10 @@ with token filtering, compact ones: the kept rows plus their indices. The indice
 config; under sequence parallelism each TP rank then derives its own shard's row count from them,
 so a receiver needs no shape exchange. Per-micro-batch filter state therefore travels with the
 gradient and each stage keeps nothing but its saved activations, in schedule order.
+
+With ``parallel.virtual_stages`` > 1 the ranks form a ring and ``one_f_one_b`` runs Megatron's interleaved
+schedule (``parallel/interleaved.py`` plans it, ``interleaved_1f1b`` executes it) over the same transfers: a
+chunk's compact gradient crosses to the previous virtual stage as indices then rows, exactly as between stages.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megasparse.ops.compact import CompactGrad, KeepMeta
-from megasparse.parallel import comm, rows, state
+from megasparse.parallel import comm, interleaved, rows, state
 
 
 class _Catch(torch.autograd.Function):
@@ -51,15 +55,17 @@ class P2PSpec:
 
 
 class StageComm:
-    """Sends and receives for one pipeline stage."""
+    """Sends and receives for one pipeline stage (all its ``chunks``: virtual stages, then the ranks are a ring)."""
 
-    def __init__(self, spec: P2PSpec):
+    def __init__(self, spec: P2PSpec, chunks: int = 1):
         self.spec = spec
         lay = state.layout()
         self.lay = lay
+        self.chunks = chunks
         self.group = state.pp_group()
-        self.next = state.pp_next_rank() if not lay.is_last_stage else None
-        self.prev = state.pp_prev_rank() if not lay.is_first_stage else None
+        ring = chunks > 1  # rank P−1's chunk c feeds rank 0's chunk c+1
+        self.next = state.pp_next_rank() if ring or not lay.is_last_stage else None
+        self.prev = state.pp_prev_rank() if ring or not lay.is_first_stage else None
 
     def _act(self) -> torch.Tensor:
         return torch.empty(self.spec.act_shape, dtype=self.spec.dtype, device=self.spec.device)
@@ -93,9 +99,12 @@ class StageComm:
             ops.append(("recv", rows_buf, self.next))
         return ops, (idx, rows_buf)
 
-    def _recv_grad_phase2(self, bufs: tuple) -> torch.Tensor:
+    def _recv_grad_phase2(self, bufs: tuple, sends: list | None = None) -> torch.Tensor:
+        """The received gradient; ``sends`` (rows held back by ``send_recv``) go in the rows' batch."""
         buf, r = bufs
+        sends = sends or []
         if self.spec.kept_rows is None:
+            comm.p2p(sends, self.group)
             return buf
         s_local, b, h = self.spec.act_shape
         tp = self._sp()
@@ -105,7 +114,8 @@ class StageComm:
             meta, _ = rows.sp_split(gmeta, tp, self.lay.tp_rank)
         if r is None:  # unbalanced shards: this rank's count comes from the indices
             r = torch.empty(meta.idx.numel(), h, dtype=self.spec.dtype, device=self.spec.device)
-            comm.p2p([("recv", r, self.next)], self.group)
+            sends = sends + [("recv", r, self.next)]
+        comm.p2p(sends, self.group)
         return CompactGrad(r, meta, self.spec.act_shape)
 
     # -- the four transfers (and the two fused ones of the steady state) ------------------------
@@ -165,6 +175,37 @@ class StageComm:
         comm.p2p(ops, self.group)
         return r
 
+    def send_recv(
+        self, y: torch.Tensor | None, want_x: bool, g: torch.Tensor | None, want_g: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One batch of the interleaved schedule (an ``interleaved.Comm``): send ``y`` on and ``g`` back, receive
+        an input and an output gradient, all posted at once.
+
+        Forward ops first, then backward ones, on every rank: with pp = 2 both peers are one rank, activations and
+        gradients share one channel, and both ends must post them in one order (the plan pairs the batches;
+        ``interleaved.simulate`` checks it). Compact gradients whose row count only the indices tell send their
+        rows in a second batch with the receive of the rows: held in the first batch, round the ring every rank
+        would wait for a receive its peer posts only after that batch."""
+        ops: list = [("send", y.contiguous(), self.next, "forward")] if y is not None else []
+        x = self._act() if want_x else None
+        if x is not None:
+            ops.append(("recv", x, self.prev))
+        later: list = []
+        if g is not None:
+            sends = [(*op, "backward") for op in self._grad_ops(g)]
+            split = isinstance(g, CompactGrad) and self._static_rows() is None
+            ops, later = (ops + sends[:1], sends[1:]) if split else (ops + sends, [])
+        bufs = None
+        if want_g:
+            recv, bufs = self._recv_grad_phase1()
+            ops += recv
+        comm.p2p(ops, self.group)
+        if bufs is None:
+            comm.p2p(later, self.group)
+            return x, None
+        with comm.phase("backward"):
+            return x, self._recv_grad_phase2(bufs, later)
+
     def send_backward_recv_forward(self, g: torch.Tensor | None) -> torch.Tensor | None:
         if self.prev is None:
             return None
@@ -188,8 +229,11 @@ def one_f_one_b(
 
     ``forward_step(i, input)`` returns the stage output (the scalar loss on the last stage);
     ``backward_step(i, output, grad)`` runs autograd from it. The input gradient that goes upstream
-    is caught at the stage entry, so compact gradients never reach a leaf.
+    is caught at the stage entry, so compact gradients never reach a leaf. A ``p2p`` of several chunks runs
+    the interleaved schedule instead (``interleaved_1f1b``), with ``forward_step(i, input, chunk)``.
     """
+    if p2p.chunks > 1:
+        return interleaved_1f1b(num_mb, p2p, forward_step, backward_step)
     lay = state.layout()
     warmup = min(lay.pp - lay.pp_rank - 1, num_mb)
     holders: list[dict] = [{} for _ in range(num_mb)]
@@ -233,6 +277,64 @@ def one_f_one_b(
         bi += 1
         with comm.phase("backward"):
             p2p.send_backward(gin)
+
+
+def interleaved_1f1b(
+    num_mb: int,
+    p2p: StageComm,
+    forward_step: Callable[[int, torch.Tensor | None, int], torch.Tensor],
+    backward_step: Callable[[int, torch.Tensor, torch.Tensor | None], None],
+) -> None:
+    """Megatron's interleaved 1F1B over this rank's ``p2p.chunks`` model chunks, step by step from
+    ``interleaved.plan``: what arrives is filed under the (chunk, micro-batch) the plan names, so a received
+    input or gradient waits in a dict until its chunk runs."""
+    lay = state.layout()
+    inputs: dict[interleaved.Key, torch.Tensor] = {}
+    grads: dict[interleaved.Key, torch.Tensor] = {}
+    outputs: dict[interleaved.Key, torch.Tensor] = {}
+    caught: dict[interleaved.Key, dict] = {}
+    gins: dict[interleaved.Key, torch.Tensor] = {}
+    for st in interleaved.plan(lay.pp, lay.pp_rank, p2p.chunks, num_mb):
+        if isinstance(st, interleaved.Comm):
+            y = None if st.send_fwd is None else outputs[st.send_fwd]
+            g = None if st.send_bwd is None else gins.pop(st.send_bwd)
+            x, gout = p2p.send_recv(y, st.recv_fwd is not None, g, st.recv_bwd is not None)
+            if st.recv_fwd is not None:
+                inputs[st.recv_fwd] = x
+            if st.recv_bwd is not None:
+                grads[st.recv_bwd] = gout
+            continue
+        key = (st.chunk, st.mb)
+        if st.kind == "F":
+            x = inputs.pop(key, None)
+            if x is not None:
+                x = _Catch.apply(x.requires_grad_(), caught.setdefault(key, {}))
+            outputs[key] = forward_step(st.mb, x, st.chunk)
+        else:
+            with comm.phase("backward"):
+                backward_step(st.mb, outputs.pop(key), grads.pop(key, None))
+            if key in caught:
+                gins[key] = caught.pop(key)["grad"]
+
+
+def forward_only(
+    num_mb: int,
+    p2p: StageComm,
+    forward_step: Callable[[int, torch.Tensor | None, int], torch.Tensor],
+    after: Callable[[int], None] | None = None,
+) -> None:
+    """Evaluation: each micro-batch through every chunk in virtual-stage order, then ``after(i)``; no backward.
+
+    Round the ring a send waits only for the neighbour's next receive, so this needs no schedule."""
+    lay = state.layout()
+    for i in range(num_mb):
+        for c in range(p2p.chunks):
+            x = None if lay.is_first_stage and c == 0 else p2p.send_recv(None, True, None, False)[0]
+            y = forward_step(i, x, c)
+            if not (lay.is_last_stage and c == p2p.chunks - 1):
+                p2p.send_recv(y, False, None, False)
+        if after is not None:
+            after(i)
 
 
 def lockstep(

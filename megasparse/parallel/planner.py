@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(path, overrides)
         cfg.validate(cfg.parallel.tp * cfg.parallel.pp * a.dp)
+        if cfg.parallel.virtual_stages > 1:
+            raise ConfigError("megasparse plan models plain 1F1B stages; plan with parallel.virtual_stages=1")
         pa, pb, pc = plans(cfg, a.vocab, a.dp)
     except ConfigError as e:
         print(f"megasparse: error: {e}", file=sys.stderr)

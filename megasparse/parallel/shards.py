@@ -48,12 +48,10 @@ class Placement:
 
 
 def global_name(model: torch.nn.Module, name: str) -> str:
-    """The layout-independent key of local parameter ``name``: stage-local ``layers.<i>.`` becomes the global
-    layer id (``model.layer_ids``). The one place that maps local module names to global keys."""
-    if name.startswith("layers."):
-        _, i, rest = name.split(".", 2)
-        return f"layers.{model.layer_ids[int(i)]}.{rest}"
-    return name
+    """The layout-independent key of local parameter ``name``: the model's own map (``GPTStage.global_name``:
+    stage-local ``layers.<i>.`` becomes the global layer id; ``StageChunks.global_name`` under virtual pipeline
+    stages: ``chunks.<c>.…`` becomes chunk c's global name)."""
+    return model.global_name(name)
 
 
 def shard_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
