@@ -74,7 +74,9 @@ class SparsityManager:
                 if w.grad is None:
                     w.grad = torch.zeros_like(w)
                 g = w.grad
-            g.add_(w.detach().masked_fill(self.masks[name], 0).to(g.dtype), alpha=self.cfg.decay)
+            # one fused pass (g += λ·W·¬M) instead of a masked fp32 copy of W and an add: 15 instead of 21 bytes per
+            # weight element, and no weight-sized temporary
+            g.addcmul_(w.detach(), ~self.masks[name], value=self.cfg.decay)
 
     @torch.no_grad()
     def after_step(self, step: int) -> dict[str, float]:
