@@ -192,7 +192,16 @@ class Config:
                 raise ConfigError("train.device=cuda but CUDA is not available here; use train.device=cpu or auto")
             if self.parallel.backend == "nccl":
                 raise ConfigError("parallel.backend=nccl needs CUDA, which is not available here; use gloo or auto")
+        if t.device == "cpu" and self.parallel.backend == "nccl":
+            raise ConfigError("parallel.backend=nccl cannot carry train.device=cpu tensors; use gloo or auto")
         writable_dir(lg.out_dir, "logging.out_dir")
+
+    def dist_backend(self) -> str:
+        """``parallel.backend`` with auto resolved for this run: gloo whenever ``train.device=cpu`` (NCCL cannot carry
+        CPU tensors, and a GPU host would otherwise pick it), else NCCL where CUDA is available."""
+        if self.parallel.backend == "auto" and self.train.device == "cpu":
+            return "gloo"
+        return self.parallel.backend
 
     def num_microbatches(self, dp: int) -> int:
         return self.train.global_batch_size // (self.train.micro_batch_size * dp)

@@ -73,7 +73,7 @@ class Trainer:
         self.dp = cfg.validate(world)
         self.train_ds, self.valid_ds, self.vocab = build_data(cfg)
         if init_groups:
-            state.init(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel, cfg.parallel.backend)
+            state.init(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel, cfg.dist_backend())
         self.lay = state.layout()
         self.device = resolve_device(cfg)
         self.compute_dtype = resolve_dtype(cfg, self.device)

@@ -65,6 +65,7 @@ def overrides(corpus: dict, source: str, layout: list[str], ref_dir: str | None 
         "train.micro_batch_size=2",
         "train.global_batch_size=8",
         "train.device=cpu",
+        "parallel.backend=gloo",
         "train.dtype=fp32",
         "train.eval_interval=0",
         "filter.mode=collider",

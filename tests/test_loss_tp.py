@@ -118,7 +118,7 @@ def _compact_ignored_worker(impl: str) -> dict:
     from megasparse.ops.compact import CompactGrad, KeepHolder, KeepMeta
     from megasparse.parallel import state
 
-    lay = state.init(tp=2, pp=1, sequence_parallel=True)
+    lay = state.init(tp=2, pp=1, sequence_parallel=True, backend="gloo")
     h, w, t, gout, keep = _data()
     t[19] = -100  # kept rows 1 (shard 0) and 19 (shard 1) now have ignored targets
     start, per, padded = vocab_range(V, state.tp_group())

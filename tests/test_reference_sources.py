@@ -15,6 +15,7 @@ TINY = [
     "train.micro_batch_size=2",
     "train.global_batch_size=4",
     "train.device=cpu",
+    "parallel.backend=gloo",
     "train.dtype=fp32",
     "train.eval_interval=0",
 ]

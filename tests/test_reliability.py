@@ -253,6 +253,18 @@ def test_cuda_without_cuda():
     check(["parallel.backend=nccl"], "parallel.backend=nccl needs CUDA")
 
 
+def test_cpu_runs_pick_gloo():
+    """train.device=cpu takes gloo under parallel.backend=auto on any host, and refuses nccl in one line."""
+    from megasparse.config import load_config
+
+    assert load_config(None, ["train.device=cpu", "parallel.backend=auto"]).dist_backend() == "gloo"
+    assert load_config(None, ["parallel.backend=gloo"]).dist_backend() == "gloo"
+    import torch
+
+    if torch.cuda.is_available():  # without CUDA the line above (needs CUDA) comes first
+        check(["train.device=cpu", "parallel.backend=nccl"], "cannot carry train.device=cpu tensors")
+
+
 def test_unwritable_out_dir(tmp_path):
     (tmp_path / "file").write_text("")
     check([f"logging.out_dir={tmp_path}/file/run"], "is not a directory")

@@ -139,7 +139,7 @@ def _ignored_rows_worker() -> dict:
     from megasparse.loss import pipeline as vocab_pp
     from megasparse.parallel import state
 
-    lay = state.init(tp=1, pp=2)
+    lay = state.init(tp=1, pp=2, backend="gloo")
     g = torch.Generator().manual_seed(3)
     n, v, h = 20, 2 * BLOCK, H
     hid = torch.randn(n, 1, h, generator=g, dtype=torch.float64)

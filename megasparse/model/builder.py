@@ -131,7 +131,7 @@ def load_model_for_inference(cfg: Config, ckpt_dir: str) -> InferenceModel:
 
     vocab = build_data(cfg)[2]
     if not dist.is_initialized():
-        state.init(1, 1, False, cfg.parallel.backend)
+        state.init(1, 1, False, cfg.dist_backend())
     device = resolve_device(cfg)
     model = build_model(cfg, vocab, device=device, compute_dtype=resolve_dtype(cfg, device))
     ckpt.load_weights(ckpt_dir, model)

@@ -27,7 +27,7 @@ class ParallelConfig:
     c·pp + r. The bubble falls from (pp−1)/(M+pp−1) to (pp−1)/(v·M+pp−1) of a step for v times the pipeline
     transfers; needs pp > 1 and micro-batches per step a multiple of pp (docs/decisions/0802)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """torch.distributed backend: auto (nccl on GPU, gloo on CPU), nccl or gloo."""
+    """torch.distributed backend: auto (gloo when train.device=cpu or no CUDA, else nccl), nccl or gloo."""
 
     def validate(self, world_size: int, num_layers: int, seq_length: int) -> int:
         """Check the layout against the world size; return dp."""
