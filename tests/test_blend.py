@@ -60,33 +60,51 @@ BLENDS = {
 }
 
 
+@pytest.mark.parametrize("backend", ["c", "numpy"])
 @pytest.mark.parametrize("name", list(BLENDS))
-def test_blend_index_is_megatron_cores_bit_for_bit(name):
+def test_blend_index_is_megatron_cores_bit_for_bit(name, backend):
     weights = BLENDS[name]
-    for size in (1, 5, 777, 300_001):
+    sizes = (1, 5, 777, 300_001) if backend == "c" or name != "random16_skewed" else (1, 5, 777, 20_001)
+    for size in sizes:
         ref_di, ref_dsi = _megatron_blend(weights, size)
-        di, dsi, counts = blend_indices(weights, size)
+        di, dsi, counts = blend_indices(weights, size, backend=backend)
         assert di.dtype == np.int16 and dsi.dtype == np.int64
         np.testing.assert_array_equal(di, ref_di)
         np.testing.assert_array_equal(dsi, ref_dsi)
         np.testing.assert_array_equal(counts, np.bincount(ref_di, minlength=len(weights)))
     # continuing from the counts where a build stopped gives the same entries (how the index grows)
-    ref_di, ref_dsi = _megatron_blend(weights, 100_000)
-    a_di, a_dsi, counts = blend_indices(weights, 31_337)
-    b_di, b_dsi, _ = blend_indices(weights, 100_000 - 31_337, start=31_337, counts=counts)
+    ref_di, ref_dsi = _megatron_blend(weights, 60_000)
+    a_di, a_dsi, counts = blend_indices(weights, 31_337, backend=backend)
+    b_di, b_dsi, _ = blend_indices(weights, 60_000 - 31_337, start=31_337, counts=counts, backend=backend)
     np.testing.assert_array_equal(np.concatenate([a_di, b_di]), ref_di)
     np.testing.assert_array_equal(np.concatenate([a_dsi, b_dsi]), ref_dsi)
 
 
-def test_blend_index_entries_do_not_depend_on_how_it_grew():
+@pytest.mark.parametrize("backend", ["c", "numpy"])
+def test_blend_index_entries_do_not_depend_on_how_it_grew(backend):
     ref_di, ref_dsi = _megatron_blend(WEIGHTS, 50_000)
     for min_grow in (1, 1000, 1 << 16):
-        index = BlendIndex(WEIGHTS, min_grow=min_grow)
+        index = BlendIndex(WEIGHTS, min_grow=min_grow, backend=backend)
         probes = [0, 3, 49_999, 17, 20_000, 1, 4096]  # out of order: later probes grow it, earlier reuse it
         for g in probes:
             assert index[g] == (ref_di[g], ref_dsi[g])
     with pytest.raises(ValueError, match="positive"):
         BlendIndex([0.5, 0.0])
+
+
+def test_blend_kernel_is_compiled_once_and_cached(tmp_path, monkeypatch):
+    """The C loop builds into the cache directory on first use; without a compiler the numpy build is used."""
+    from megasparse.data import blend_kernel
+
+    monkeypatch.setenv("MEGASPARSE_CACHE", str(tmp_path))
+    monkeypatch.setattr(blend_kernel, "_lib", False)
+    assert blend_kernel.load() is not None
+    assert len(list(tmp_path.glob("blend-kernel-*/blend.so"))) == 1
+    monkeypatch.setattr(blend_kernel, "_lib", False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MEGASPARSE_CACHE", str(tmp_path / "other"))
+    assert blend_kernel.load() is None  # compile fails: logged, numpy from now on
+    assert blend_indices(WEIGHTS, 1000)[0].tolist() == _megatron_blend(WEIGHTS, 1000)[0].tolist()
 
 
 # ---------------------------------------------------------------- three corpora from `megasparse preprocess`

@@ -3,25 +3,29 @@
 The blend index. Global sample ``n`` of a blend comes from dataset ``argmax_k (w_k * max(n, 1) - c_k(n))``, where
 ``c_k(n)`` counts the samples dataset ``k`` gave before ``n`` (ties to the lower index): each sample goes to the
 dataset whose achieved share lags its weight the most. This is megatron-core's ``build_blending_indices``
-(``helpers.cpp``), and :func:`blend_indices` reproduces its output bit for bit (same float64 products and
-subtractions, same tie rule; tests/test_blend.py compares the two). The sample taken from dataset ``k`` is its
-``c_k(n)``-th, which the dataset maps to a sample of its own seeded, epoch-by-epoch order.
+(``helpers.cpp``), reproduced bit for bit (same float64 products and subtractions, same tie rule;
+tests/test_blend.py compares them). The sample taken from dataset ``k`` is its ``c_k(n)``-th, which the dataset
+maps to a sample of its own seeded, epoch-by-epoch order.
 
-Why it is fast without C++. The greedy is sequential, but two runs of it started from different counts at the
-same ``n`` coalesce within a few samples: the lagging dataset is picked first either way. So the ``N`` samples
-are cut into ``B`` chunks that all run at once, vectorised over chunks (one numpy operation per step handles
-every chunk), each chunk starting from a guess of the counts at its first sample (the largest-remainder
-rounding of ``w * n``). Chunk 0 starts from the true counts; a chunk whose guessed start differs from where its
-predecessor ended is re-run from that end (all such chunks at once) until the run meets its old trajectory,
-after which the old picks stand. Repeating until every chunk starts where its predecessor ended makes the
-result exactly the sequential greedy's (decision 0103 has the timings against megatron-core's C++).
+Two builders, same output. ``blend_kernel.py``: the loop in C, compiled once per machine on first use (the
+default: as fast as megatron's). Without a C compiler, the numpy build below: the greedy is sequential, but two
+runs of it started from different counts at the same ``n`` coalesce within a few samples (the lagging dataset is
+picked first either way). So the samples are cut into ``B`` chunks that all run at once, vectorised over chunks,
+each starting from a guess of its counts (the largest-remainder rounding of ``w * n``); chunk 0 starts from the
+true counts, and a chunk whose guess differs from where its predecessor ended is re-run from that end (all such
+chunks at once) until the run meets its old trajectory. When every chunk starts where its predecessor ended, the
+result is the sequential greedy's. It is close to the C loop with a few corpora and slower with many or with
+tiny weights (decision 0103 has the timings).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 
+from megasparse.data import blend_kernel
 from megasparse.data.indexed import DataError
 
 __all__ = ["BlendIndex", "BlendedDataset", "blend_indices", "normalize_weights"]
@@ -92,9 +96,25 @@ def _run(w: np.ndarray, starts: np.ndarray, c: np.ndarray, di: np.ndarray, dsi: 
     return False
 
 
-def _build(w: np.ndarray, size: int, start: int, c0: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+Backend = Literal["auto", "c", "numpy"]
+
+
+def _build(
+    w: np.ndarray, size: int, start: int, c0: np.ndarray, backend: Backend = "auto"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dataset_index [L, B] int16, dataset_sample_index [L, B] int64, counts after) of the ``B * L >= size``
-    samples from ``start``: sample ``start + b*L + t`` is entry ``[t, b]`` (chunk-major, no transpose needed)."""
+    samples from ``start``: sample ``start + b*L + t`` is entry ``[t, b]`` (chunk-major; ``B = 1`` from C)."""
+    lib = blend_kernel.load() if backend != "numpy" else None
+    if lib is not None:
+        di, dsi, counts = blend_kernel.run(lib, w, size, start, c0)
+        return di[:, None], dsi[:, None], counts
+    if backend == "c":
+        raise DataError("the C blend kernel is unavailable (no C compiler, or MEGASPARSE_BLEND=numpy)")
+    return _build_numpy(w, size, start, c0)
+
+
+def _build_numpy(w: np.ndarray, size: int, start: int, c0: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_build` in numpy: chunks run side by side (see the module docstring)."""
     B = max(1, min(_MAX_CHUNKS, size // _MIN_CHUNK))
     L = -(-size // B)
     starts = start + np.arange(B, dtype=np.int64) * L
@@ -126,19 +146,22 @@ def _flat(a: np.ndarray, size: int, tile: int = 64) -> np.ndarray:
 
 
 def blend_indices(
-    weights, size: int, start: int = 0, counts: np.ndarray | None = None
+    weights, size: int, start: int = 0, counts: np.ndarray | None = None, backend: Backend = "auto"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dataset_index int16 [size], dataset_sample_index int64 [size], counts after) of blend samples
     ``start .. start + size - 1``, given the per-dataset ``counts`` before ``start`` (zeros at 0).
 
     ``weights`` are normalised here (megatron-core normalises them the same way). Identical to
-    ``megatron.core.datasets.helpers.build_blending_indices`` (see the module docstring for how).
+    ``megatron.core.datasets.helpers.build_blending_indices``. ``backend``: ``c`` (the compiled loop), ``numpy``,
+    or ``auto`` (C when it can be had).
     """
     w = normalize_weights(weights)
     c0 = np.zeros(len(w)) if counts is None else np.asarray(counts, dtype=np.float64).copy()
     if size <= 0:
         return np.zeros(0, np.int16), np.zeros(0, np.int64), c0.astype(np.int64)
-    di, dsi, _ = _build(w, size, start, c0)
+    di, dsi, after = _build(w, size, start, c0, backend)
+    if di.shape[1] == 1:  # from the C loop: already in sample order, exactly ``size`` long
+        return di[:, 0], dsi[:, 0], after
     dataset_index = _flat(di, size)
     taken = np.bincount(dataset_index, minlength=len(w))
     return dataset_index, _flat(dsi, size), c0.astype(np.int64) + taken
@@ -153,9 +176,9 @@ class BlendIndex:
     exactly the samples the uninterrupted run would have read.
     """
 
-    def __init__(self, weights, min_grow: int = 1 << 16) -> None:
+    def __init__(self, weights, min_grow: int = 1 << 16, backend: Backend = "auto") -> None:
         self.weights = normalize_weights(weights)
-        self.min_grow = min_grow
+        self.min_grow, self.backend = min_grow, backend
         self._starts: list[int] = []  # first sample of each segment
         self._segments: list[tuple[np.ndarray, np.ndarray]] = []  # chunk-major [L, B] tables
         self._size = 0
@@ -167,7 +190,7 @@ class BlendIndex:
 
     def _grow(self, need: int) -> None:
         size = max(need - self._size, self._size, self.min_grow)
-        di, dsi, counts = _build(self.weights, size, self._size, self._counts)
+        di, dsi, counts = _build(self.weights, size, self._size, self._counts, self.backend)
         self._starts.append(self._size)
         self._segments.append((di, dsi))
         self._size += di.size
