@@ -57,7 +57,8 @@ def _compile(out: Path, cc: str) -> None:
         [cc, *_FLAGS, "-o", str(out / "blend.so"), str(out / "blend.c")], capture_output=True, text=True
     )
     if res.returncode != 0:
-        raise OSError((res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"])
+        lines = (res.stderr or res.stdout).strip().splitlines()
+        raise OSError(lines[-1] if lines else f"{cc} exited with {res.returncode}")
 
 
 def load() -> ctypes.CDLL | None:
