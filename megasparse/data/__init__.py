@@ -1,4 +1,4 @@
-"""Data: built-in corpus, tokenizer, Megatron indexed datasets, packing and the batch order.
+"""Data: built-in corpus, tokenizer, Megatron indexed datasets, packing, blends and the batch order.
 
 Exports are imported lazily so that reading ``megasparse.data.config`` (every config load) stays cheap.
 """
@@ -13,6 +13,8 @@ _EXPORTS = {
     "batch_iterator": "dataset",
     "reference_prefix": "dataset",
     "PackedDataset": "dataset",
+    "BlendedDataset": "blend",
+    "blend_indices": "blend",
     "TokenizerInfo": "tokenizer",
     "load_tokenizer": "tokenizer",
     "tokenizer_info": "tokenizer",

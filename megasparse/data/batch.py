@@ -24,6 +24,7 @@ class Batch:
     """int64 [b]: global sample index of each row in the endless training stream (for logs and tests)."""
     positions: torch.Tensor | None = None
     """int64 [b, s+1]: ``.bin`` offset of each token (-1: an EOD the packer inserted); None for synthetic data.
+    For a blend, offsets into the corpora's ``.bin`` files one after another (``BlendedDataset.offsets``).
     A reference-loss sidecar is gathered at the labels' offsets (``label_positions``)."""
 
     def to(self, device: torch.device, pin: bool = False) -> Batch:

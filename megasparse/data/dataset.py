@@ -11,6 +11,11 @@ validation stream; the rest the training stream. Splits never share a document o
 Order. The global sample stream is epoch after epoch of a seeded permutation of the training samples
 (``seed``, ``epoch``); the validation split is read in order. Global sample ``g`` is fully determined by
 ``(seed, g)``, which is what makes resuming exact (see :func:`batch_iterator`).
+
+Blends (``data.blend``). Every corpus is split and packed as above, then ``blend.py``'s
+:class:`~megasparse.data.blend.BlendedDataset` deals the global samples out to the corpora' train parts by
+weight (Megatron's greedy); validation is the same blend over the valid parts. Sample ``g`` still depends only
+on ``(seed, g)`` and the blend.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from megasparse.configbase import ConfigError
 from megasparse.data.batch import Batch
+from megasparse.data.blend import BlendedDataset
 from megasparse.data.config import DataConfig
 from megasparse.data.indexed import DataError, IndexedDataset
 from megasparse.data.tokenizer import BUILTIN_PREFIX, TokenizerInfo, tokenizer_info
@@ -31,6 +37,7 @@ if TYPE_CHECKING:
     from megasparse.config import Config
 
 __all__ = [
+    "BlendedDataset",
     "PackedDataset",
     "SyntheticData",
     "TokenizerInfo",
@@ -146,6 +153,10 @@ class PackedDataset(torch.utils.data.Dataset):
         epoch, k = divmod(g, self.num_samples)
         return int(self.epoch_order(epoch, seed)[k])
 
+    def global_positions(self, g: int, seed: int | None = None) -> np.ndarray:
+        """``.bin`` positions (:meth:`positions`) of the ``g``-th sample of the endless stream."""
+        return self.positions(self.global_index(g, seed))
+
 
 class SyntheticData:
     """Seeded random tokens (``data.prefix: synthetic``) for tests and benchmarks that need no corpus."""
@@ -161,14 +172,18 @@ class SyntheticData:
         return torch.randint(0, self.vocab, (self.seq + 1,), generator=gen)
 
 
-def batch_iterator(ds: PackedDataset | SyntheticData, micro_batch_size: int, *args, **kwargs) -> Iterator[torch.Tensor]:
+AnyDataset = PackedDataset | BlendedDataset | SyntheticData
+"""What the trainer reads: one packed split, a blend of several, or synthetic tokens."""
+
+
+def batch_iterator(ds: AnyDataset, micro_batch_size: int, *args, **kwargs) -> Iterator[torch.Tensor]:
     """Endless micro-batches ``[micro_batch_size, seq_length + 1]`` (int64) for one data-parallel rank: the
     tokens of :func:`iterate_batches` (same arguments, scheme and resume rule)."""
     return (b.tokens for b in iterate_batches(ds, micro_batch_size, *args, **kwargs))
 
 
 def iterate_batches(
-    ds: PackedDataset | SyntheticData,
+    ds: AnyDataset,
     micro_batch_size: int,
     dp_rank: int = 0,
     dp_size: int = 1,
@@ -196,12 +211,12 @@ def iterate_batches(
             f"{per_round}; resume at a global-batch boundary"
         )
     g = start_sample + dp_rank * micro_batch_size
-    packed = isinstance(ds, PackedDataset)
+    packed = isinstance(ds, (PackedDataset, BlendedDataset))
     while True:
         gs = range(g, g + micro_batch_size)
         samples = torch.tensor(list(gs), dtype=torch.int64)
         if packed:  # the offsets come with the tokens: one positions() walk per sample
-            pos = np.stack([ds.positions(ds.global_index(i, seed)) for i in gs])
+            pos = np.stack([ds.global_positions(i, seed) for i in gs])
             yield Batch(torch.stack([ds.tokens_at(p) for p in pos]), samples, torch.from_numpy(pos))
         else:
             yield Batch(torch.stack([ds.global_sample(i, seed) for i in gs]), samples)
@@ -228,28 +243,52 @@ def _builtin(data_cfg: DataConfig, rank0_builds: bool):
     )
 
 
+def _sources(data_cfg: DataConfig) -> list[str]:
+    """The dataset specs a run reads: ``data.prefix``, or every ``data.blend`` entry's prefix."""
+    return [p for _, p in data_cfg.blend_entries()] if data_cfg.blend is not None else [data_cfg.prefix]
+
+
+def _split(indexed: IndexedDataset, data_cfg: DataConfig, seq_length: int, eod_id: int):
+    """(train, valid) packed splits of one corpus; both must hold at least one sample."""
+    train_ids, valid_ids = split_documents(len(indexed), data_cfg.valid_fraction, data_cfg.seed)
+    train = PackedDataset(indexed, train_ids, seq_length, eod_id, data_cfg.seed, shuffle=True, name="train")
+    valid = PackedDataset(indexed, valid_ids, seq_length, eod_id, data_cfg.seed, shuffle=False, name="valid")
+    for ds in (train, valid):
+        if len(ds) == 0:
+            raise DataError(
+                f"{indexed.prefix}: the {ds.name} split has {ds.num_tokens} tokens, fewer than seq_length+1="
+                f"{seq_length + 1}; use more data, a shorter model.seq_length or another data.valid_fraction"
+            )
+    return train, valid
+
+
 def build_datasets(
     data_cfg: DataConfig,
     seq_length: int,
     vocab_size: int | None = None,
     rank0_builds: bool = True,
-) -> tuple[PackedDataset, PackedDataset, TokenizerInfo]:
+) -> tuple[PackedDataset | BlendedDataset, PackedDataset | BlendedDataset, TokenizerInfo]:
     """(train, valid, tokenizer info) for a run; builds ``builtin:`` data on first use.
 
-    ``vocab_size`` is the model's (padded) vocabulary: every token id of the dataset must be below it
-    (checked with one pass over the mmap). ``rank0_builds``: only local rank 0 builds built-in data while
-    the node's other ranks wait (False: each process builds under the cache lock, first one wins).
+    With ``data.blend`` every corpus is split and packed alone and the splits are blended by weight: train
+    over the train parts, valid over the valid parts. ``vocab_size`` is the model's (padded) vocabulary:
+    every token id of every dataset must be below it (checked with one pass over each mmap).
+    ``rank0_builds``: only local rank 0 builds built-in data while the node's other ranks wait (False: each
+    process builds under the cache lock, first one wins).
     """
-    prefix, tok_spec = data_cfg.prefix, data_cfg.tokenizer
-    if _is_builtin(prefix) or _is_builtin(tok_spec):
+    specs, tok_spec = _sources(data_cfg), data_cfg.tokenizer
+    prefixes = list(specs)
+    if any(map(_is_builtin, specs)) or _is_builtin(tok_spec):
         paths = _builtin(data_cfg, rank0_builds)
-        if _is_builtin(prefix):
+        for i, spec in enumerate(specs):
+            if not _is_builtin(spec):
+                continue
             if not _is_builtin(tok_spec):
+                key = "data.prefix" if data_cfg.blend is None else "data.blend entry"
                 raise ConfigError(
-                    f"data.prefix={prefix} is tokenized with the built-in tokenizer; "
-                    "set data.tokenizer=builtin:shakespeare"
+                    f"{key} {spec} is tokenized with the built-in tokenizer; set data.tokenizer=builtin:shakespeare"
                 )
-            prefix = paths.reference_prefix if prefix == MILTON else paths.prefix
+            prefixes[i] = paths.reference_prefix if spec == MILTON else paths.prefix
         if _is_builtin(tok_spec):
             tok_spec = str(paths.tokenizer)
     info = tokenizer_info(tok_spec)
@@ -258,23 +297,22 @@ def build_datasets(
             f"model.vocab_size={vocab_size} is smaller than the tokenizer's {info.vocab_size} ({info.path}); "
             "leave it null to use the tokenizer's"
         )
-    indexed = IndexedDataset(prefix)
-    indexed.check_vocab(vocab_size if vocab_size is not None else info.vocab_size)
-    train_ids, valid_ids = split_documents(len(indexed), data_cfg.valid_fraction, data_cfg.seed)
-    train = PackedDataset(indexed, train_ids, seq_length, info.eod_id, data_cfg.seed, shuffle=True, name="train")
-    valid = PackedDataset(indexed, valid_ids, seq_length, info.eod_id, data_cfg.seed, shuffle=False, name="valid")
-    for ds in (train, valid):
-        if len(ds) == 0:
-            raise DataError(
-                f"{prefix}: the {ds.name} split has {ds.num_tokens} tokens, fewer than seq_length+1="
-                f"{seq_length + 1}; use more data, a shorter model.seq_length or another data.valid_fraction"
-            )
+    splits = []
+    for prefix in prefixes:
+        indexed = IndexedDataset(prefix)
+        indexed.check_vocab(vocab_size if vocab_size is not None else info.vocab_size)
+        splits.append(_split(indexed, data_cfg, seq_length, info.eod_id))
+    if data_cfg.blend is None:
+        return (*splits[0], info)
+    weights = [w for w, _ in data_cfg.blend_entries()]
+    train = BlendedDataset([t for t, _ in splits], weights, name="train")
+    valid = BlendedDataset([v for _, v in splits], weights, name="valid")
     return train, valid, info
 
 
-def build_data(cfg: Config) -> tuple[PackedDataset | SyntheticData, PackedDataset | SyntheticData, int]:
+def build_data(cfg: Config) -> tuple[AnyDataset, AnyDataset, int]:
     """(train, valid, vocab_size) of a run — vocab from the tokenizer unless model.vocab_size is set."""
-    if cfg.data.prefix == "synthetic":
+    if cfg.data.prefix == "synthetic" and cfg.data.blend is None:
         if cfg.model.vocab_size is None:
             raise ConfigError("data.prefix=synthetic needs model.vocab_size")
         v = cfg.model.vocab_size
@@ -290,11 +328,12 @@ def build_data(cfg: Config) -> tuple[PackedDataset | SyntheticData, PackedDatase
 def reference_prefix(data_cfg: DataConfig, rank0_builds: bool = True) -> str | None:
     """Indexed dataset of the reference (high-quality) corpus for token filtering, or None if there is none.
 
-    ``data.reference_prefix`` if set; otherwise the bundled Milton corpus when the data is built-in.
+    ``data.reference_prefix`` if set; otherwise the bundled Milton corpus when the data (any blend entry) is
+    built-in.
     """
     if data_cfg.reference_prefix:
         IndexedDataset(data_cfg.reference_prefix)  # fail early with a clear message
         return data_cfg.reference_prefix
-    if _is_builtin(data_cfg.prefix):
+    if any(map(_is_builtin, _sources(data_cfg))):
         return _builtin(data_cfg, rank0_builds).reference_prefix
     return None

@@ -67,7 +67,7 @@ class IndexedWriter:
     """Streams documents into ``prefix.bin`` and writes ``prefix.idx`` on close.
 
     Both files are written under temporary names and renamed at the end, so a crash or a concurrent reader
-    never sees a half-written dataset. One sequence per document (what ``preprocess`` produces).
+    never sees a half-written dataset. One sequence per document unless ``add_document`` is given lengths.
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype: type[np.number] | np.dtype = np.uint16) -> None:
@@ -82,12 +82,19 @@ class IndexedWriter:
         self.document_indices: list[int] = [0]
         self.num_tokens = 0
 
-    def add_document(self, token_ids: np.ndarray | list[int]) -> None:
+    def add_document(self, token_ids: np.ndarray | list[int], lengths: list[int] | None = None) -> None:
+        """Append one document; ``lengths`` splits it into sequences (megatron's sentences), default one.
+
+        ``lengths=[]`` with no tokens is a document of no sequences, which is how megatron's
+        ``preprocess_data.py`` stores a document that tokenizes to nothing."""
         arr = np.asarray(token_ids)
+        lens = [int(arr.size)] if lengths is None else [int(n) for n in lengths]
+        if sum(lens) != arr.size or any(n < 0 for n in lens):
+            raise DataError(f"{self.bin_path}: sequence lengths {lens} do not add up to the {arr.size} tokens")
         if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(self.dtype).max):
             raise DataError(f"{self.bin_path}: token ids [{arr.min()}, {arr.max()}] do not fit dtype {self.dtype}")
         self._fh.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
-        self.lengths.append(int(arr.size))
+        self.lengths.extend(lens)
         self.document_indices.append(len(self.lengths))
         self.num_tokens += int(arr.size)
 

@@ -118,10 +118,14 @@ def build_reference(
     f = cfg.filter
     if f.reference == "model":
         return _reference_model(cfg, vocab, device, compute_dtype)
-    from megasparse.data.dataset import PackedDataset
+    from megasparse.data.dataset import BlendedDataset, PackedDataset
     from megasparse.filtering.reference import ReferenceLosses
 
-    prefix = train_ds.indexed.prefix if isinstance(train_ds, PackedDataset) else None
+    prefix: str | list[str] | None = None  # the .bin files the sidecar(s) must belong to
+    if isinstance(train_ds, PackedDataset):
+        prefix = train_ds.indexed.prefix
+    elif isinstance(train_ds, BlendedDataset):
+        prefix = train_ds.prefixes
     if f.reference == "sidecar" and cfg.data.ref_losses and prefix is None:
         raise ConfigError(
             f"filter.reference=sidecar reads data.ref_losses at .bin offsets, but data.prefix={cfg.data.prefix} has "

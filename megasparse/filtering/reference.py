@@ -17,7 +17,7 @@ import torch
 from megasparse.configbase import ConfigError
 from megasparse.filtering.config import FilterConfig
 from megasparse.filtering.ngram import NgramLM
-from megasparse.filtering.sidecar import gather_ref_losses, open_sidecar
+from megasparse.filtering.sidecar import ChainedSidecars, gather_ref_losses, open_sidecar, open_sidecars
 
 __all__ = ["ReferenceLosses"]
 
@@ -25,20 +25,26 @@ __all__ = ["ReferenceLosses"]
 class ReferenceLosses:
     """Callable ``(tokens [s, b], labels [s, b], label_positions [s, b] | None) -> [s, b]`` reference losses."""
 
-    def __init__(self, sidecar: np.ndarray | None = None, ngram: NgramLM | None = None) -> None:
+    def __init__(self, sidecar: np.ndarray | ChainedSidecars | None = None, ngram: NgramLM | None = None) -> None:
         if (sidecar is None) == (ngram is None):
             raise ValueError("ReferenceLosses needs exactly one of a sidecar or an n-gram model")
         self.sidecar, self.ngram = sidecar, ngram
 
     @classmethod
-    def from_config(cls, cfg: FilterConfig, ref_losses_path: str | None, prefix: str | None) -> ReferenceLosses:
-        """``ref_losses_path`` is ``data.ref_losses``; ``prefix`` the resolved indexed dataset it belongs to."""
+    def from_config(
+        cls, cfg: FilterConfig, ref_losses_path: str | list[str] | None, prefix: str | list[str] | None
+    ) -> ReferenceLosses:
+        """``ref_losses_path`` is ``data.ref_losses``; ``prefix`` the resolved indexed dataset it belongs to
+        (for a blend: lists, one sidecar per blended dataset, in blend order)."""
         if cfg.reference == "sidecar":
             if not ref_losses_path or not prefix:
                 raise ConfigError(
                     "filter.reference=sidecar needs data.ref_losses (build it with `megasparse ref ngram "
                     "--sidecar-for` or `megasparse ref score`), or set filter.reference=ngram"
                 )
+            if isinstance(prefix, list) or isinstance(ref_losses_path, list):
+                paths = ref_losses_path if isinstance(ref_losses_path, list) else [ref_losses_path]
+                return cls(sidecar=open_sidecars(paths, prefix if isinstance(prefix, list) else [prefix]))
             return cls(sidecar=open_sidecar(ref_losses_path, prefix))
         if cfg.reference == "ngram":
             if not cfg.ngram_path:

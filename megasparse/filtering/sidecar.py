@@ -15,6 +15,9 @@ loss with whatever precedes it in the scoring window, and 0 for token 0 of the d
 
 The fingerprint is sha256 over the ``.idx`` bytes followed by the ``.bin`` size (u64): any rebuild that changes
 document boundaries, token dtype or token count changes it, without reading the whole ``.bin``.
+
+A blend (``data.blend``) has one sidecar per dataset; :func:`open_sidecars` chains them in blend order, which is
+how ``BlendedDataset`` numbers token positions (dataset ``k``'s ``.bin`` after the earlier ones').
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ import torch
 from megasparse.configbase import ConfigError
 from megasparse.data.indexed import IndexedDataset
 
-__all__ = ["SidecarError", "fingerprint", "gather_ref_losses", "open_sidecar", "write_sidecar"]
+__all__ = [
+    "ChainedSidecars",
+    "SidecarError",
+    "fingerprint",
+    "gather_ref_losses",
+    "open_sidecar",
+    "open_sidecars",
+    "write_sidecar",
+]
 
 MAGIC = b"MSREFLSS"
 VERSION = 1
@@ -139,7 +150,39 @@ def open_sidecar(path: str | os.PathLike, prefix: str | os.PathLike) -> np.memma
     return np.memmap(path, mode="r", dtype=dt, offset=HEADER_BYTES, shape=(count,))
 
 
-def gather_ref_losses(sidecar: np.ndarray, token_offsets: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+class ChainedSidecars:
+    """Several sidecars read as one: position ``offsets[k] + i`` is token ``i`` of dataset ``k``."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.offsets = np.concatenate([[0], np.cumsum([len(p) for p in parts], dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, pos: np.ndarray) -> np.ndarray:
+        pos = np.asarray(pos, dtype=np.int64)
+        out = np.empty(pos.shape, dtype=np.float32)
+        which = np.searchsorted(self.offsets, pos, side="right") - 1
+        for k in np.unique(which):
+            at = which == k
+            out[at] = self.parts[k][pos[at] - self.offsets[k]]
+        return out
+
+
+def open_sidecars(paths: list[str], prefixes: list[str]) -> ChainedSidecars:
+    """One checked sidecar per dataset of a blend (``paths[k]`` for ``prefixes[k]``), chained in that order."""
+    if len(paths) != len(prefixes):
+        raise SidecarError(
+            f"data.ref_losses has {len(paths)} sidecars for {len(prefixes)} blended datasets; give one per "
+            "data.blend entry, in blend order"
+        )
+    return ChainedSidecars([open_sidecar(p, prefix) for p, prefix in zip(paths, prefixes)])
+
+
+def gather_ref_losses(
+    sidecar: np.ndarray | ChainedSidecars, token_offsets: torch.Tensor, fill: float = 0.0
+) -> torch.Tensor:
     """float32 reference losses at global ``.bin`` token offsets (any shape, on the offsets' device).
 
     For LM training pass the offsets of the *labels*: with ``PackedDataset.positions(i)`` (the sample's
