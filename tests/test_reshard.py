@@ -73,6 +73,7 @@ CASES = {  # name: (world A, overrides A, world B, overrides B, load_weights che
     "tp2sp-tp1": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], 1, [], None),
     "tp1dp2-tp2": (2, [], 2, ["parallel.tp=2"], "ref"),
     "pp2-pp1": (2, ["parallel.pp=2"], 1, [], None),
+    "pp2v2-pp1": (2, ["parallel.pp=2", "parallel.virtual_stages=2"], 1, [], None),  # interleaved chunks' global keys
     "tp2pp2vocab-1": (4, ["parallel.tp=2", "parallel.pp=2", *VOCAB_PP], 1, [], "inference"),
     "sparse-tp2-tp1": (2, ["parallel.tp=2", *SPARSE], 1, SPARSE, None),
 }
