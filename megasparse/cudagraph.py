@@ -47,6 +47,8 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
         return "sparsity.mvue draws its random seeds on the host"
     if cfg.loss.vocab_over_pp:
         return "loss.vocab_over_pp"
+    if cfg.parallel.distributed_optimizer:
+        return "parallel.distributed_optimizer (bf16 gradients reach fp32 buffers through hooks; gathers are waited on)"
     return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megasparse.parallel import state
+from megasparse.parallel import comm, state
 
 
 def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torch.Tensor:
@@ -18,6 +18,7 @@ def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torc
 
 def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters (or their gradients) of the whole model, on every rank, by global names."""
+    comm.settle()  # parameters all-gathered asynchronously by the distributed optimizer
     lay = state.layout()
     local: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
