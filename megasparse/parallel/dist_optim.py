@@ -114,6 +114,8 @@ class DistributedAdamW:
                 b.data[lo:hi].copy_(self.masters[k])
             with comm.phase("optim"):
                 self.works[k] = comm.all_gather_into(b.data, b.data[lo:hi], b_all.group, "dp", region="params.dp")
+            if self.works[k] is None:  # one DP rank: nothing to wait for
+                self._changed(k)
         comm.defer(self.wait_params)
         if not self.lazy:
             self.wait_params()
@@ -124,8 +126,12 @@ class DistributedAdamW:
             if self.works[k] is not None:
                 self.works[k].wait()
                 self.works[k] = None
-                # collectives write behind autograd's back: bump the version so cached copies (2:4 operands) refresh
-                torch.autograd.graph.increment_version(self.buckets.buckets[k].data)
+                self._changed(k)
+
+    def _changed(self, k: int) -> None:
+        """The parameters were written through their shared storage, behind their own version counters (``p.data``
+        assignment gives each its own): bump them so caches keyed on ``_version`` (the 2:4 operands) rebuild."""
+        torch.autograd.graph.increment_version(self.buckets.buckets[k].params)
 
     def wait_before_use(self, model: nn.Module) -> None:
         """Forward pre-hooks: a module waits for the buckets of the parameters it owns, so the all-gather of later
@@ -201,6 +207,8 @@ class DistributedAdamW:
                 with comm.phase("checkpoint"):
                     self.works[k] = comm.all_gather_into(b.data, b.data[lo:hi], self.buckets.group, "dp", "params.dp")
             self.wait_params()
+            for k in range(len(self.works)):
+                self._changed(k)
 
     def _index(self) -> list[nn.Parameter]:
         return [p for ps, _ in self.groups for p in ps]
