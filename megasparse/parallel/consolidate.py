@@ -28,7 +28,7 @@ def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, to
             parts = [torch.empty_like(t) for _ in range(lay.tp)]
             dist.all_gather(parts, t.contiguous(), group=state.tp_group())
             t = unshard(parts, spec[0], spec[1])
-        local[_global_name(model, name)] = t.cpu()
+        local[_global_name(model, name)] = t.to("cpu", copy=True)  # a snapshot: gradient buffers are reused
     if lay.pp == 1:
         return local
     gathered: list[dict] = [None] * lay.pp  # type: ignore[list-item]
