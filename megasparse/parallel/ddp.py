@@ -155,8 +155,8 @@ class GradBuckets:
         def hook(p: nn.Parameter) -> None:
             g = p.grad
             if g is not None and g.data_ptr() != p.main_grad.data_ptr():
-                p.main_grad.add_(g)  # a compute-dtype gradient: into the fp32 buffer
-                p.grad = None
+                p.main_grad.add_(g)  # a compute-dtype gradient (or a fresh one after set_to_none): into the buffer
+                p.grad = p.main_grad if p.dtype == torch.float32 else None
             if not self.overlap:
                 return
             b = self.bucket_of[idx]
