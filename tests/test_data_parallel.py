@@ -161,6 +161,16 @@ def test_resume_from_sharded_checkpoint_is_exact_and_works_at_dp1(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b), (opt, one, full)
 
 
+@pytest.mark.slow
+def test_resume_with_bf16_compute_copies_is_exact(tmp_path):
+    """bf16 parameters: the checkpoint holds the fp32 masters (swapped in for the save), and a load rebuilds them."""
+    out = [f"logging.out_dir={tmp_path}", "train.dtype=bf16", "train.steps=4", *SHARDED]
+    full = run_distributed(losses, 2, out, None, None)[0]
+    assert run_distributed(losses, 2, out, 2, None)[0] == full[:2]
+    rest = run_distributed(losses, 2, out, None, str(tmp_path))[0]
+    assert rest == full[2:], (rest, full)
+
+
 def state_dict_roundtrip(_: None) -> dict:
     """A sharded optimizer's state_dict is the plain AdamW's, and loading it back changes nothing."""
     from megasparse.config import load_config

@@ -185,8 +185,7 @@ class DistributedAdamW:
 
     def load_full_state(self, st: dict[nn.Parameter, dict], masters: dict[nn.Parameter, torch.Tensor] | None) -> None:
         """Take this rank's chunks of whole per-parameter state (and fp32 weights); no collective needed."""
-        steps = {int(s["step"]) for s in st.values()}
-        self.steps = steps.pop() if len(steps) == 1 else 0
+        self.steps = max((int(s["step"]) for s in st.values()), default=0)
         with torch.no_grad():
             for k, b in enumerate(self.buckets.buckets):
                 lo = b.shard(self.buckets.rank, self.buckets.dp)[0]
@@ -238,7 +237,9 @@ class DistributedAdamW:
         are bf16, for ``checkpoint.py``; after a ``load`` what it then holds becomes this optimizer's state."""
         self.wait_params()
         if load:  # checkpoint.py materialises the state it loads into; bf16 parameters need fp32 room
-            st, masters = {}, {p: torch.zeros(p.shape, device=p.device) for ps, _ in self.groups for p in ps}
+            params = [p for ps, _ in self.groups for p in ps]
+            st = {}
+            masters = {p: p.data if p.dtype == torch.float32 else torch.zeros(p.shape, device=p.device) for p in params}
         else:
             st, masters = self.full_state()
         swapped = {p: p.data for p in masters if p.dtype != torch.float32}
@@ -251,9 +252,9 @@ class DistributedAdamW:
             g["lr"] = mine["lr"]
         try:
             yield shadow
-        finally:
-            if load:
+            if load:  # not after a failed load: the run stops with its error and the state stays as it was
                 self.load_full_state(dict(shadow.state), {p: p.data.float() for p in masters})
+        finally:
             for p, data in swapped.items():
                 p.data = data
 
