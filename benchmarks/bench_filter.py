@@ -61,7 +61,7 @@ def time_step(tr: Trainer, iters: int, warmup: int) -> dict:
     for it in range(warmup + iters):
         batch = tr._microbatches(tr.train_ds, tr.consumed, 1)[0]
         ids, targets = batch.ids, batch.targets
-        tr.optimizer.zero_grad(set_to_none=True)
+        tr.dp_opt.zero_grad()
         sync()
         t0 = time.perf_counter()
         keep = KeepHolder()
@@ -78,9 +78,9 @@ def time_step(tr: Trainer, iters: int, warmup: int) -> dict:
             loss.backward()
         sync()
         t3 = time.perf_counter()
-        tr._reduce_grads()
-        tr._grad_norm()
-        tr.optimizer.step()
+        tr.dp_opt.reduce()
+        tr.dp_opt.grad_norm()
+        tr.dp_opt.step()
         sync()
         t4 = time.perf_counter()
         tr.consumed += tr.cfg.train.global_batch_size

@@ -413,7 +413,7 @@ def grad_check(a: argparse.Namespace) -> list[dict]:
         tr.compute_gradients()
         got[mode] = grads(tr)
     tr = trainer("loss_mask")  # the explicit reference: plain autograd through the masked, kept-normalised loss
-    tr.optimizer.zero_grad(set_to_none=True)
+    tr.dp_opt.zero_grad()
     total = 0.0
     for i, batch in enumerate(tr._microbatches(tr.train_ds, 0, tr.num_mb)):
         out = tr.model(batch.ids, batch.targets, KeepHolder())

@@ -47,6 +47,8 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
         return "sparsity.mvue draws its random seeds on the host"
     if cfg.loss.vocab_over_pp:
         return "loss.vocab_over_pp"
+    if cfg.parallel.distributed_optimizer:
+        return "parallel.distributed_optimizer (bf16 gradients reach fp32 buffers through hooks; gathers are waited on)"
     return None
 
 
@@ -140,8 +142,9 @@ class CapturedSteps:
             try:
                 self.graph = MicrobatchGraph(run_one, batches[0], list(self.model.parameters()), acc)
             except Exception as e:  # noqa: BLE001 - an uncapturable op: say so once and stay eager
-                for p in self.model.parameters():
-                    p.grad = None
+                for p in self.model.parameters():  # the warm-up passes' gradients, in place: DP bucket slices
+                    if p.grad is not None:
+                        p.grad.zero_()
                 acc["loss"] = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
                 return self._off(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
             _log0(f"cuda graphs: one micro-batch captured, replayed {len(batches)}x per step")

@@ -2,13 +2,14 @@
 
 Order of business: load and validate the whole config against the world size (before any process
 group exists), build the data, create the groups, build this rank's pipeline stage, then run
-steps of 1F1B over micro-batches, reduce gradients over DP (and the SP-replicated norms over TP),
-clip, step AdamW with warmup + cosine, log, evaluate and checkpoint.
+steps of 1F1B over micro-batches, reduce gradients over DP in buckets that overlap the backward (and the
+SP-replicated norms over TP), clip, step AdamW (replicated or sharded over DP) with warmup + cosine, log,
+evaluate and checkpoint.
 
 Features plug in rather than being wired here: the model comes from ``model/builder.py``, token filtering is a
 ``filtering/component.py`` TokenFilter fed by ``data/batch.py`` Batches, 2:4 sparsity a
-``sparse24/converter.py`` converter with optimizer hooks, gradient reduction and norm live in
-``parallel/grads.py`` (docs/decisions/0403).
+``sparse24/converter.py`` converter with optimizer hooks, gradient buckets, norm and the (distributed) optimizer
+in ``parallel/ddp.py`` and ``parallel/dist_optim.py`` (docs/decisions/0403, 0404).
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ from megasparse.loss import pipeline as vocab_pp
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_tflops, step_record
 from megasparse.model.builder import (
     InferenceModel,
+    build_data_parallel,
     build_model,
-    build_optimizer,
     load_model_for_inference,
     lr_at,
     resolve_device,
     resolve_dtype,
 )
 from megasparse.ops.compact import KeepHolder
-from megasparse.parallel import comm, grads, state
+from megasparse.parallel import comm, state
 from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, forward_only, lockstep, one_f_one_b
 from megasparse.sparse24.converter import Sparse24Converter
 
@@ -82,11 +83,16 @@ class Trainer:
         self.vocab_padded = cfg.padded_vocab(self.vocab)
         m = cfg.model
         self.model = build_model(cfg, self.vocab, device=self.device, compute_dtype=self.compute_dtype)
+        self.graphs = CapturedSteps(cfg, self.lay.pp, self.device, self.model)  # train.cuda_graphs
+        # gradient buckets over DP and AdamW on them (sharded under parallel.distributed_optimizer): before the 2:4
+        # converter, so its masks and operands see the parameters in their final dtype and storage
+        eager = self.graphs.blocker is not None
+        self.dp_opt = build_data_parallel(self.model, cfg, self.device, self.compute_dtype, eager)
+        self.optimizer = self.dp_opt.optimizer
         self.sparsity = None  # the 2:4 converter: FFN GEMMs, decay / refresh hooks, masks in the checkpoint
         if cfg.sparsity.enabled:
             self.sparsity = Sparse24Converter(cfg.sparsity, cfg.train.steps, self.compute_dtype)
             self.sparsity.convert(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.num_mb = cfg.num_microbatches(self.dp)
         s_local = m.seq_length // (self.lay.tp if cfg.parallel.sequence_parallel else 1)
         self.act_shape = (s_local, cfg.train.micro_batch_size, m.hidden_size)
@@ -115,7 +121,6 @@ class Trainer:
         self.flops_tok = flops_per_token(m, self.vocab_padded)
         self.peak = peak_tflops(self.device)
         self.out_dir = Path(cfg.logging.out_dir)
-        self.graphs = CapturedSteps(cfg, self.lay.pp, self.device, self.model)  # train.cuda_graphs
 
     # -- batches ---------------------------------------------------------------------------------
     def _microbatches(self, ds, start: int, count: int) -> list[Batch]:
@@ -181,40 +186,32 @@ class Trainer:
             comm.all_reduce(t, None, "world", region="metrics.loss")
         return (t[0] / t[1]).item()
 
-    def _reduce_grads(self) -> None:
-        grads.reduce_gradients(self.model.parameters(), self.dp, self.cfg.parallel.sequence_parallel)
-
-    def _grad_norm(self) -> float:
-        return grads.global_grad_norm(self.model.named_parameters(), self.model.param_is_sharded, self.device)
-
     def compute_gradients(self) -> tuple[torch.Tensor, int]:
-        """Forward + backward of this step's global batch; leaves fully reduced gradients in ``.grad``."""
-        self.optimizer.zero_grad(set_to_none=not self.graphs.active)
+        """Forward + backward of this step's global batch; leaves fully reduced gradients in the DP buckets."""
+        self.dp_opt.zero_grad(self.num_mb)
         batches = self._microbatches(self.train_ds, self.consumed, self.num_mb)
         loss_sum, tokens = self._forward_backward(batches, train=True)
-        self._reduce_grads()
+        self.dp_opt.reduce()
         return loss_sum, tokens
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         lr = lr_at(self.cfg, self.step)
-        for g in self.optimizer.param_groups:
+        for g in self.dp_opt.param_groups:
             g["lr"] = lr
         loss_sum, tokens = self.compute_gradients()
-        gnorm = self._grad_norm()
+        gnorm = self.dp_opt.grad_norm()
         loss = self._global_mean(loss_sum, tokens)
         # reliability: a non-finite step is skipped before clipping/decay/optimizer.step touch any state
         if self.guard.check(self.step + 1, loss, gnorm, log0):
-            self.optimizer.zero_grad(set_to_none=not self.graphs.active)
+            self.dp_opt.zero_grad()
             self.step += 1
             self.consumed += self.cfg.train.global_batch_size
             return StepResult(loss, gnorm, lr, tokens, time.perf_counter() - t0, {"skipped": self.guard.total})
-        clip = self.cfg.optim.grad_clip
-        if clip > 0 and gnorm > clip:
-            torch._foreach_mul_([p.grad for p in self.model.parameters() if p.grad is not None], clip / (gnorm + 1e-6))
+        self.dp_opt.clip(gnorm, self.cfg.optim.grad_clip)
         if self.sparsity is not None:
             self.sparsity.pre_optimizer_step()
-        self.optimizer.step()
+        self.dp_opt.step(wait=self.sparsity is not None)  # the 2:4 hooks read whole weights
         extra = {} if self.sparsity is None else self.sparsity.post_optimizer_step(self.step + 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -237,18 +234,15 @@ class Trainer:
         return extra
 
     def save(self) -> Path | None:
-        return ckpt.save(
-            self.out_dir / "checkpoints",
-            self.step,
-            self.model,
-            self.optimizer,
-            self._extra(),
-            self.cfg.checkpoint.keep_last,
-        )
+        with self.dp_opt.checkpoint_view() as opt:  # the plain AdamW structure, gathered over DP when sharded
+            return ckpt.save(
+                self.out_dir / "checkpoints", self.step, self.model, opt, self._extra(), self.cfg.checkpoint.keep_last
+            )
 
     def resume(self, path: str) -> None:
         where = ckpt.resolve_resume(path)
-        extra = ckpt.load(where, self.model, self.optimizer, self._extra())
+        with self.dp_opt.checkpoint_view(load=True) as opt:
+            extra = ckpt.load(where, self.model, opt, self._extra())
         self.step, self.consumed = int(extra["step"]), int(extra["consumed"])
         if self.sparsity is not None:
             self.sparsity.load_extra_state(extra, self.step)
@@ -277,7 +271,8 @@ class Trainer:
             f"megasparse: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, vocab {self.vocab} "
             f"(padded {self.vocab_padded}) | world {n_world} = tp {self.lay.tp} x pp {self.lay.pp} x dp {self.dp}"
             f"{' +SP' if cfg.parallel.sequence_parallel else ''} | {self.num_mb} micro-batches/step | "
-            f"{self.device.type} {str(self.compute_dtype).replace('torch.', '')}"
+            f"{self.device.type} {str(self.compute_dtype).replace('torch.', '')} | optimizer state "
+            f"{self.dp_opt.state_bytes() / 2**20:.1f} MiB/rank{' (sharded over dp)' if self.dp_opt.sharded else ''}"
         )
         history = []
         while self.step < cfg.train.steps:
@@ -295,6 +290,7 @@ class Trainer:
             if (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end):
                 where = self.save()
                 log0(f"saved checkpoint {where}" if where else f"step {self.step}: non-finite state, not saved")
+        self.dp_opt.wait_params()
         log.close()
         return history
 

@@ -192,6 +192,47 @@ def reduce_scatter(t: torch.Tensor, group, group_name: str, region: str | None =
     return (out, work) if async_op else out
 
 
+def reduce_scatter_into(buf: torch.Tensor, shard: torch.Tensor, group, group_name: str, region: str | None = None):
+    """Sum the flat ``buf`` over ranks, keeping this rank's chunk in ``shard`` (``buf``'s own chunk: in place, as
+    NCCL allows); starts asynchronously and returns the work handle (None on one rank). The rest of ``buf`` keeps
+    this rank's own contribution."""
+    if world_size(group) == 1:
+        return None
+    t0 = _t0(buf)
+    work = dist.reduce_scatter_tensor(shard, buf, group=group, async_op=True)
+    _record("reduce_scatter", group_name, buf, region, t0)
+    return work
+
+
+def all_gather_into(buf: torch.Tensor, shard: torch.Tensor, group, group_name: str, region: str | None = None):
+    """Fill the flat ``buf`` with every rank's ``shard`` (this rank's may be ``buf``'s own chunk: in place); starts
+    asynchronously and returns the work handle (None on one rank). Records this rank's payload, as ``all_gather``."""
+    if world_size(group) == 1:
+        return None
+    t0 = _t0(buf)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in newer torch
+    work = gather(buf, shard, group=group, async_op=True)
+    _record("all_gather", group_name, shard, region, t0)
+    return work
+
+
+def defer(wait) -> None:
+    """Remember the completion of an asynchronous transfer that a later reader must wait for (see ``settle``)."""
+    pending = getattr(_state, "pending", None)
+    if pending is None:
+        pending = _state.pending = []
+    if wait not in pending:
+        pending.append(wait)
+
+
+def settle() -> None:
+    """Complete every deferred transfer: before tensors are read outside the hooks that normally wait for them
+    (consolidation, teardown)."""
+    pending, _state.pending = getattr(_state, "pending", None) or [], []
+    for wait in pending:
+        wait()
+
+
 def broadcast(t: torch.Tensor, src: int, group, group_name: str, region: str | None = None) -> None:
     if world_size(group) == 1:
         return

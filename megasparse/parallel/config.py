@@ -28,6 +28,17 @@ class ParallelConfig:
     transfers; needs pp > 1 and micro-batches per step a multiple of pp (docs/decisions/0802)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: auto (gloo when train.device=cpu or no CUDA, else nccl), nccl or gloo."""
+    distributed_optimizer: bool = False
+    """Shard fp32 master weights and AdamW moments over DP (each rank steps 1/dp of every gradient bucket, then the
+    parameters are all-gathered; on GPU they become bf16 compute copies): optimizer memory per rank / dp.
+    Off by default, as in Megatron: on one DP rank it saves nothing, and saves gather the whole state
+    (docs/decisions/0404)."""
+    overlap_grad_reduce: bool = True
+    """Reduce each gradient bucket over DP as soon as its last gradient of the step exists, overlapping the rest of
+    the backward (and, with the distributed optimizer, wait for gathered parameters at their first use in the next
+    forward); off: the same buckets after the backward. Only matters when dp > 1."""
+    grad_bucket_numel: int = 40_000_000
+    """Parameters per DP gradient bucket (one collective each; Megatron's default size)."""
 
     def validate(self, world_size: int, num_layers: int, seq_length: int) -> int:
         """Check the layout against the world size; return dp."""
@@ -53,6 +64,8 @@ class ParallelConfig:
                 )
             if min(self.layer_split) < 1:
                 raise ConfigError(f"parallel.layer_split={self.layer_split}: every stage needs a layer")
+        if self.grad_bucket_numel < 1:
+            raise ConfigError(f"parallel.grad_bucket_numel={self.grad_bucket_numel} must be >= 1 (default 40000000)")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if self.sequence_parallel and seq_length % self.tp:

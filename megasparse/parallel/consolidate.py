@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megasparse.parallel import state
+from megasparse.parallel import comm, state
 
 
 def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torch.Tensor:
@@ -19,6 +19,7 @@ def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torc
 def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters (or their gradients) of the whole model, on every rank, by global names
     (``model.global_name``: a ``GPTStage`` or a rank's ``StageChunks``)."""
+    comm.settle()  # parameters all-gathered asynchronously by the distributed optimizer
     lay = state.layout()
     local: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
@@ -28,7 +29,7 @@ def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, to
             parts = [torch.empty_like(t) for _ in range(lay.tp)]
             dist.all_gather(parts, t.contiguous(), group=state.tp_group())
             t = unshard(parts, spec[0], spec[1])
-        local[model.global_name(name)] = t.cpu()
+        local[model.global_name(name)] = t.to("cpu", copy=True)  # a snapshot: gradient buffers are reused
     if lay.pp == 1:
         return local
     gathered: list[dict] = [None] * lay.pp  # type: ignore[list-item]

@@ -107,5 +107,8 @@ class PPEmbedding(nn.Module):
         with comm.phase("backward"):
             comm.all_reduce(g, state.mp_group(), "mp", region="embedding.vocab_pp")
         dw = vocab_slice_grad(self.weight.shape, local, valid, g.reshape(-1, h)).to(self.weight.dtype)
-        self.weight.grad = dw if self.weight.grad is None else self.weight.grad + dw
+        if self.weight.grad is None:
+            self.weight.grad = dw
+        else:  # in place: under data parallelism ``.grad`` is a slice of the bucket buffer (parallel/ddp.py)
+            self.weight.grad.add_(dw)
         self._local = None

@@ -109,6 +109,10 @@ def destroy() -> None:
     global _layout
     from megatron.core import parallel_state as ps
 
+    from megasparse.parallel import comm
+
+    if dist.is_initialized():
+        comm.settle()  # no asynchronous transfer may outlive its group
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():

@@ -22,7 +22,7 @@ CLASS_HELP = {
     "token": "token-sized, total (TP/SP collectives of forward/backward, PP sends)",
     "token.forward": "token-sized, forward",
     "token.backward": "token-sized, backward",
-    "param": "parameter-sized: optim phase (DP grad reduction, SP norm grads, grad norm)",
+    "param": "parameter-sized: optim phase (DP grad reduction, SP norm grads, grad norm, parameter all-gather)",
     "metrics": "metrics: loss/statistics reductions",
     "other": "other phases",
 }
