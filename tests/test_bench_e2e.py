@@ -51,3 +51,16 @@ def test_table_and_plot_from_a_report(tmp_path) -> None:
     path.write_text(json.dumps(rep))
     png = be.plot(str(path), str(tmp_path / "e2e.png"))
     assert Path(png).stat().st_size > 1000
+
+
+def test_ratios_use_the_mean_of_first_and_repeated_runs() -> None:
+    """A linear clock drift over one micro-batch's cases cancels: ratios are against the mean of both runs."""
+    import bench_e2e as be
+
+    runs = ((be.ANCHOR, 100.0), ("dense", 90.0), ("collider", 75.0), (be.ANCHOR, 104.0), ("dense", 94.0))
+    cases = [{"mode": m, "step_ms": ms} for m, ms in runs]
+    drift = be.settle_ratios(cases)
+    assert cases[2]["ratio_vs_anchor"] == pytest.approx(75.0 / 102.0)
+    assert cases[2]["ratio_vs_dense"] == pytest.approx(75.0 / 92.0)
+    assert cases[0]["ratio_vs_dense"] is None and cases[1]["anchor_step_ms"] == pytest.approx(102.0)
+    assert drift["anchor_drift"] == pytest.approx(0.04) and drift["dense_runs_ms"] == [90.0, 94.0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 import types
+import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -217,20 +218,24 @@ def all_gather_into(buf: torch.Tensor, shard: torch.Tensor, group, group_name: s
 
 
 def defer(wait) -> None:
-    """Remember the completion of an asynchronous transfer that a later reader must wait for (see ``settle``)."""
+    """Remember the completion of an asynchronous transfer that a later reader must wait for (see ``settle``). A bound
+    method is held weakly: a finished trainer's optimizer must not stay alive in this module-level list."""
     pending = getattr(_state, "pending", None)
     if pending is None:
         pending = _state.pending = []
-    if wait not in pending:
-        pending.append(wait)
+    ref = weakref.WeakMethod(wait) if hasattr(wait, "__self__") else (lambda: wait)
+    if all(r() != wait for r in pending):
+        pending.append(ref)
 
 
 def settle() -> None:
     """Complete every deferred transfer: before tensors are read outside the hooks that normally wait for them
     (consolidation, teardown)."""
     pending, _state.pending = getattr(_state, "pending", None) or [], []
-    for wait in pending:
-        wait()
+    for ref in pending:
+        wait = ref()
+        if wait is not None:
+            wait()
 
 
 def broadcast(t: torch.Tensor, src: int, group, group_name: str, region: str | None = None) -> None:

@@ -24,6 +24,7 @@ normalised by the global token count, so the sum over DP is the mean gradient.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -132,8 +133,9 @@ class GradBuckets:
             self.buckets.append(bucket)
         self.counts = [0] * len(self.params)
         self.expected = 1
-        for idx, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(self._hook(idx))
+        me = weakref.ref(self)  # autograd's C++ nodes hold the hooks: a strong ref would keep the buckets (and
+        for idx, p in enumerate(self.params):  # through them the model) alive after the trainer is gone
+            p.register_post_accumulate_grad_hook(GradBuckets._hook(me, idx))
         self.zero(1)
 
     # -- per step ---------------------------------------------------------------------------------------------------
@@ -151,8 +153,12 @@ class GradBuckets:
             else:
                 p.grad = None
 
-    def _hook(self, idx: int) -> Callable[[nn.Parameter], None]:
+    @staticmethod
+    def _hook(me: weakref.ref, idx: int) -> Callable[[nn.Parameter], None]:
         def hook(p: nn.Parameter) -> None:
+            self = me()
+            if self is None:
+                return
             g = p.grad
             if g is not None and g.data_ptr() != p.main_grad.data_ptr():
                 p.main_grad.add_(g)  # a compute-dtype gradient (or a fresh one after set_to_none): into the buffer
