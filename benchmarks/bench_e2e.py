@@ -183,6 +183,7 @@ def run(a: argparse.Namespace) -> int:
             mine = {(c["mode"], c["micro_batch_size"]) for c in report["cases"]}
             kept = [c for c in old["cases"] if (c["mode"], c["micro_batch_size"]) not in mine]
             report["cases"] = sorted(kept + report["cases"], key=lambda c: c["micro_batch_size"])
+            report["drift"] = {**old.get("drift", {}), **report["drift"]}
     report["table"] = format_table(report)
     if dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
