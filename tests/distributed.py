@@ -17,6 +17,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "OMP_NUM_THREADS")
+
+
 def _worker(rank: int, world: int, port: int, outdir: str, fn, args):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -44,8 +47,16 @@ def _worker(rank: int, world: int, port: int, outdir: str, fn, args):
 def run_distributed(fn, world: int, *args) -> list:
     """``fn(*args)`` on ``world`` ranks; returns the per-rank results or raises with the first traceback."""
     with tempfile.TemporaryDirectory() as d:
-        if world == 1:
-            _worker(0, 1, free_port(), d, fn, args)
+        if world == 1:  # in this process: put its environment back, so later subprocesses do not inherit a port
+            saved = {k: os.environ.get(k) for k in _RANK_ENV}
+            try:
+                _worker(0, 1, free_port(), d, fn, args)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
         else:
             mp.start_processes(
                 _worker, args=(world, free_port(), d, fn, args), nprocs=world, join=True, start_method="spawn"

@@ -88,7 +88,10 @@ def test_synthetic_data_needs_vocab():
 
 
 def run_cli(*args, env_extra=None):
-    env = dict(os.environ, **(env_extra or {}))
+    """``megasparse ARGS`` in a fresh process, with no rank variables but ``env_extra``'s (as from a user's shell)."""
+    rank_env = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in rank_env}
+    env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "megasparse", *args], capture_output=True, text=True, env=env, timeout=120
     )
