@@ -203,10 +203,10 @@ def gemm_shard_backward(
     if n_valid < w.shape[0]:
         d_c[n_valid:].zero_()  # TP padding rows never get a gradient
     acc_dtype = torch.float32 if accum_fp32 else h.dtype
-    d_e = torch.zeros(n, d, dtype=acc_dtype, device=h.device)
     if n == 0 or n_valid == 0:
         d_c.zero_()
-        return d_e.to(h.dtype), d_c
+        return torch.zeros(n, d, dtype=h.dtype, device=h.device), d_c
+    d_e = torch.empty(n, d, dtype=acc_dtype, device=h.device)  # the first chunk writes it, the others add
     s_dt = _s_dtype(h)
     cs, cp = backward_chunks(n, n_valid, h.element_size(), s_dt.itemsize)
     cp = chunk or cp
@@ -230,8 +230,10 @@ def gemm_shard_backward(
             )  # fmt: skip
         wc = w[v0 : v0 + c]
         torch.mm(p.t(), h, out=d_c[v0 : v0 + c])
-        if acc_dtype == p.dtype:
+        if v0 == 0:
+            _mm_into(p, wc, d_e)
+        elif acc_dtype == p.dtype:
             d_e.addmm_(p, wc)
         else:
-            d_e += torch.mm(p, wc, out_dtype=torch.float32) if p.is_cuda else torch.mm(p, wc).float()
+            d_e += _mm_into(p, wc, torch.empty_like(d_e))
     return d_e.to(h.dtype), d_c

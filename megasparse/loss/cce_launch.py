@@ -51,11 +51,6 @@ def backend_for(t: Tensor) -> str:
     return "gemm" if (t.is_cuda and triton is not None) else "torch"
 
 
-def uses_filter(backend: str) -> bool:
-    """Whether a backend skips gradient entries below ``filter_eps`` (and so profits from the vocabulary sort)."""
-    return backend in ("triton", "torch")
-
-
 def _pick(cfg: KernelConfig | None, default: KernelConfig, t: Tensor) -> KernelConfig:
     if cfg is not None:
         return cfg

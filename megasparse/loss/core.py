@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megasparse.loss.cce_launch import backend_for, shard_backward, shard_forward, uses_filter, vocab_order
+from megasparse.loss.cce_launch import backend_for, shard_backward, shard_forward, vocab_order
 from megasparse.loss.rows import local_targets, rows_or_all, rows_to_all, valid_rows
 from megasparse.ops.compact import KeepHolder
 
@@ -117,7 +117,7 @@ def slice_grads(
     if not drop:
         g = torch.where(targets != opt.ignore_index, g, torch.zeros_like(g))
     gs = zloss_grad(g, lse, opt.z_loss)
-    sort = opt.sort_vocab and opt.filter_eps is not None and drop and uses_filter(backend)
+    sort = opt.sort_vocab and opt.filter_eps is not None and drop  # only the backends that drop rows filter
     perm = vocab_order(h, w, opt.n_valid) if sort else None
     t = local_targets(targets, opt.vocab_start, opt.n_valid)
     d_e, d_c = shard_backward(
