@@ -88,9 +88,10 @@ def read_documents(path: str | Path, json_key: str = "text", doc_per_file: bool 
             yield block.strip()
 
 
-def encode_docs(tok, docs: list[Doc], eod: int | None) -> list[tuple[np.ndarray, list[int]]]:
+def encode_docs(tok, docs: list[Doc], eod: int | None, eod_empty: bool = False) -> list[tuple[np.ndarray, list[int]]]:
     """(token ids, sequence lengths) per document: each non-empty sentence is a sequence; ``eod`` (if given)
-    ends every non-empty document, counted in its last sequence — megatron's ``Encoder.encode``."""
+    ends every non-empty document, counted in its last sequence — megatron's ``Encoder.encode``. ``eod_empty``: an
+    empty document is ``[eod]`` (the older ``--json-key`` form, where every document ends with EOD)."""
     flat = [s for d in docs for s in d]
     encoded = iter(tok.encode_batch(flat, add_special_tokens=False)) if flat else iter(())
     out = []
@@ -102,9 +103,12 @@ def encode_docs(tok, docs: list[Doc], eod: int | None) -> list[tuple[np.ndarray,
             if sent:
                 ids.extend(sent)
                 lens.append(len(sent))
-        if ids and eod is not None:
+        if eod is not None and (ids or eod_empty):
             ids.append(eod)
-            lens[-1] += 1
+            if lens:
+                lens[-1] += 1
+            else:
+                lens.append(1)
         out.append((np.asarray(ids, dtype=np.int64), lens))
     return out
 
@@ -112,14 +116,14 @@ def encode_docs(tok, docs: list[Doc], eod: int | None) -> list[tuple[np.ndarray,
 _worker: tuple = ()
 
 
-def _init_worker(tokenizer_path: str, eod: int | None) -> None:
+def _init_worker(tokenizer_path: str, eod: int | None, eod_empty: bool) -> None:
     global _worker
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # the processes are the parallelism
-    _worker = (load_tokenizer(tokenizer_path), eod)
+    _worker = (load_tokenizer(tokenizer_path), eod, eod_empty)
 
 
 def _encode_in_worker(docs: list[Doc]) -> list[tuple[np.ndarray, list[int]]]:
-    return encode_docs(_worker[0], docs, _worker[1])
+    return encode_docs(*_worker[:1], docs, *_worker[1:])
 
 
 def _batches(records: Iterable[list[Doc]]) -> Iterator[list[Doc]]:
@@ -140,17 +144,20 @@ def write_datasets(
     tokenizer_path: str,
     eod: int | None,
     workers: int = 1,
+    eod_empty: bool = False,
+    tok=None,
 ) -> int:
-    """Tokenize ``records`` (one document per writer each) into ``writers``; returns the number of records."""
+    """Tokenize ``records`` (one document per writer each) into ``writers``; returns the number of records.
+    ``tok``: the tokenizer already loaded from ``tokenizer_path`` (workers load their own)."""
     n_keys, n_docs = len(writers), 0
     if workers > 1:
         ctx = multiprocessing.get_context("spawn")  # no fork of a process whose tokenizer threads already ran
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path, eod))
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path, eod, eod_empty))
         encoded = pool.imap(_encode_in_worker, _batches(records))
     else:
-        tok = load_tokenizer(tokenizer_path)
+        tok = tok or load_tokenizer(tokenizer_path)
         pool = None
-        encoded = (encode_docs(tok, b, eod) for b in _batches(records))
+        encoded = (encode_docs(tok, b, eod, eod_empty) for b in _batches(records))
     try:
         with tqdm(desc="tokenizing", unit="doc", file=sys.stderr, mininterval=0.5) as bar:
             for batch in encoded:
@@ -201,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             records = (r for path in args.input for r in read_records(path, keys))
             prefixes = [f"{args.output_prefix}_{k}_document" for k in keys]
         writers = [IndexedWriter(p, dtype) for p in prefixes]
-        n_docs = write_datasets(writers, records, tok_path, eod if legacy or args.append_eod else None, args.workers)
+        n_docs = write_datasets(
+            writers, records, tok_path, eod if legacy or args.append_eod else None, args.workers, legacy, tok
+        )
         if n_docs == 0:
             raise DataError(f"--input {' '.join(args.input)}: no documents found")
         for w in writers:
