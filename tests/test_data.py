@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megasparse.configbase import ConfigError
-from megasparse.data.bpe import EOD_TOKEN, train_bpe
+from megasparse.data.bpe import EOD_TOKEN
 from megasparse.data.builtin import chunk_work, strip_gutenberg
 from megasparse.data.config import DataConfig
 from megasparse.data.dataset import PackedDataset, batch_iterator, build_datasets, split_documents
@@ -34,14 +34,6 @@ def _random_docs(rng: np.random.Generator, n: int, vocab: int, eod: int | None =
         d = rng.integers(1, vocab, size=int(rng.integers(1, max_len)))
         docs.append(np.append(d, eod) if eod is not None else d)
     return docs
-
-
-@pytest.fixture(scope="module")
-def tiny_tokenizer(tmp_path_factory) -> Path:
-    words = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(words, size=30)) for _ in range(200)]
-    return train_bpe(texts, 300, tmp_path_factory.mktemp("tok") / "tok.json")
 
 
 # ---------------------------------------------------------------- indexed format

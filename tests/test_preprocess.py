@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megasparse.data.bpe import EOD_TOKEN, train_bpe
+from megasparse.data.bpe import EOD_TOKEN
 from megasparse.data.dataset import PackedDataset
 from megasparse.data.indexed import IndexedDataset, optimal_dtype
 from megasparse.data.preprocess import main as preprocess
@@ -23,14 +23,6 @@ RECORDS = [
     {"text": "whether tis nobler\nin the mind", "title": "newline"},
     {"text": " slings and arrows ", "title": "spaces are kept"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok_path(tmp_path_factory) -> Path:
-    words = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(words, size=30)) for _ in range(200)]
-    return train_bpe(texts, 300, tmp_path_factory.mktemp("tok") / "tok.json")
 
 
 def _megatron_encode(tok, text, eod: int | None) -> tuple[list[int], list[int]]:
@@ -54,14 +46,14 @@ def _write_jsonl(path: Path, n_copies: int = 1) -> None:
                 f.write(json.dumps({**r, "id": 7}) + "\n")
 
 
-def test_preprocess_jsonl_is_byte_identical_to_megatrons(tmp_path, tok_path):
+def test_preprocess_jsonl_is_byte_identical_to_megatrons(tmp_path, tiny_tokenizer):
     mc = pytest.importorskip("megatron.core.datasets.indexed_dataset")
     import torch
 
-    tok = load_tokenizer(str(tok_path))
+    tok = load_tokenizer(str(tiny_tokenizer))
     eod = tok.token_to_id(EOD_TOKEN)
     _write_jsonl(tmp_path / "a.jsonl")
-    args = ["--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(tok_path), "--append-eod"]
+    args = ["--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(tiny_tokenizer), "--append-eod"]
     assert preprocess([*args, "--output-prefix", str(tmp_path / "ours"), "--json-keys", "text", "title"]) == 0
     for key in ("text", "title"):
         prefix = tmp_path / f"ours_{key}_document"
@@ -87,9 +79,9 @@ def test_preprocess_jsonl_is_byte_identical_to_megatrons(tmp_path, tok_path):
     assert tok.decode(IndexedDataset(tmp_path / "ours_text_document")[1].tolist()[:-1]) == "that is the question"
 
 
-def test_preprocess_eod_is_optional_for_packing_and_workers_change_nothing(tmp_path, tok_path):
+def test_preprocess_eod_is_optional_for_packing_and_workers_change_nothing(tmp_path, tiny_tokenizer):
     _write_jsonl(tmp_path / "a.jsonl", n_copies=120)  # 600 documents: several worker batches
-    base = ["--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(tok_path)]
+    base = ["--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(tiny_tokenizer)]
     assert preprocess([*base, "--output-prefix", str(tmp_path / "eod"), "--append-eod"]) == 0
     assert preprocess([*base, "--output-prefix", str(tmp_path / "w2"), "--append-eod", "--workers", "2"]) == 0
     assert preprocess([*base, "--output-prefix", str(tmp_path / "none")]) == 0
@@ -97,7 +89,7 @@ def test_preprocess_eod_is_optional_for_packing_and_workers_change_nothing(tmp_p
         a = (tmp_path / f"eod_text_document{ext}").read_bytes()
         assert a == (tmp_path / f"w2_text_document{ext}").read_bytes()
     with_eod, without = IndexedDataset(tmp_path / "eod_text_document"), IndexedDataset(tmp_path / "none_text_document")
-    eod = load_tokenizer(str(tok_path)).token_to_id(EOD_TOKEN)
+    eod = load_tokenizer(str(tiny_tokenizer)).token_to_id(EOD_TOKEN)
     assert without.num_tokens == with_eod.num_tokens - 480 and not (without.tokens == eod).any()  # 4 of 5 non-empty
     # packing inserts the EOD megatron would have stored: the two training streams are the same
     a = PackedDataset(with_eod, np.arange(len(with_eod)), 8, eod, shuffle=False)
@@ -107,10 +99,10 @@ def test_preprocess_eod_is_optional_for_packing_and_workers_change_nothing(tmp_p
         np.testing.assert_array_equal(a[i].numpy(), b[i].numpy())
 
 
-def test_preprocess_argument_errors(tmp_path, tok_path, capsys):
+def test_preprocess_argument_errors(tmp_path, tiny_tokenizer, capsys):
     _write_jsonl(tmp_path / "a.jsonl")
     (tmp_path / "b.txt").write_text("one\n\ntwo\n")
-    base = ["--tokenizer", str(tok_path), "--output-prefix", str(tmp_path / "x")]
+    base = ["--tokenizer", str(tiny_tokenizer), "--output-prefix", str(tmp_path / "x")]
     cases = {
         ("--input", str(tmp_path / "a.jsonl"), "--json-keys", "body"): "no key 'body'",
         ("--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")): "every input is .jsonl",

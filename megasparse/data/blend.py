@@ -109,7 +109,7 @@ def _build(
         di, dsi, counts = blend_kernel.run(lib, w, size, start, c0)
         return di[:, None], dsi[:, None], counts
     if backend == "c":
-        raise DataError("the C blend kernel is unavailable (no C compiler, or MEGASPARSE_BLEND=numpy)")
+        raise DataError("the C blend kernel is unavailable (no C compiler)")
     return _build_numpy(w, size, start, c0)
 
 
@@ -218,11 +218,11 @@ class BlendedDataset:
     per-token side data (one reference-loss sidecar per dataset, concatenated the same way) lines up with them.
     """
 
-    def __init__(self, datasets, weights, name: str = "train") -> None:
+    def __init__(self, datasets, weights, name: str = "train", index: BlendIndex | None = None) -> None:
         if not datasets:
             raise DataError("a blend needs at least one dataset")
         self.datasets = list(datasets)
-        self.index = BlendIndex(weights)
+        self.index = index if index is not None else BlendIndex(weights)  # depends on the weights only: shareable
         self.weights = self.index.weights
         if len(self.weights) != len(self.datasets):
             raise DataError(f"a blend of {len(self.datasets)} datasets got {len(self.weights)} weights")

@@ -5,7 +5,7 @@ corpora (or a corpus of weight 1e-6, whose miscounted start takes long to wash o
 megatron-core's C++. A loop this small needs no build step at install: the first process that needs it runs
 ``$CC`` (else ``cc``) once into the megasparse cache directory (``build_once``: safe with many ranks) and every
 later process loads the cached library. Without a compiler, or if the compile fails, :func:`load` returns None
-and ``blend.py`` uses its numpy build (logged once). ``MEGASPARSE_BLEND=numpy`` forces the numpy build.
+and ``blend.py`` uses its numpy build (logged once). ``BlendIndex(backend="numpy")`` forces the numpy build.
 
 ``-ffp-contract=off`` keeps ``w * n - c`` two rounded operations (no fused multiply-add), as in megatron's build,
 so the output is bit-identical to ``helpers.build_blending_indices`` on every platform.
@@ -67,8 +67,6 @@ def load() -> ctypes.CDLL | None:
     if _lib is not False:
         return _lib or None
     _lib = None
-    if os.environ.get("MEGASPARSE_BLEND", "").lower() == "numpy":
-        return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         log("no C compiler (cc/gcc/$CC): the blend index is built with numpy (slower with many corpora)")

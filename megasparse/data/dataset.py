@@ -306,7 +306,7 @@ def build_datasets(
         return (*splits[0], info)
     weights = [w for w, _ in data_cfg.blend_entries()]
     train = BlendedDataset([t for t, _ in splits], weights, name="train")
-    valid = BlendedDataset([v for _, v in splits], weights, name="valid")
+    valid = BlendedDataset([v for _, v in splits], weights, name="valid", index=train.index)
     return train, valid, info
 
 
