@@ -388,8 +388,5 @@ def load_weights(path: str | os.PathLike, model: torch.nn.Module, layout: state.
     verify_checksums(where)
     check_model(where, read_layout(where), model)
     lay = layout or state.layout()
-    tensors = {
-        "model." + global_name(model, n): (p.data, placement(p, lay.tp, lay.tp_rank))
-        for n, p in model.named_parameters()
-    }
+    tensors, _ = _collect(model, None, {}, lay)
     _dcp_load(where, tensors, no_dist=layout is not None)

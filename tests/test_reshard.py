@@ -89,6 +89,9 @@ def test_resume_at_another_layout(tmp_path, case):
     ranks = run_distributed(_train, world_b, ov_b, str(b), str(saved), weights)
     rest = ranks[0]["losses"]
 
+    from megasparse.checkpoint import read_layout
+
+    assert read_layout(saved)["model"]["num_layers"] == 4, "the model shape is recorded at every layout"
     before, after = _global_tensors(saved, tmp_path), _global_tensors(b / "checkpoints" / f"step-{SAVE_AT}", tmp_path)
     assert sorted(before) == sorted(after)
     assert any(k.startswith("optim.") and k.endswith("exp_avg_sq") for k in before)

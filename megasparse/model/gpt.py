@@ -241,7 +241,9 @@ class StageChunks(nn.Module):
     def __init__(self, chunks: list[GPTStage]):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
-        self.first, self.last = chunks[0].first, chunks[-1].last
+        # the whole model's shape, which checkpoints record and check (checkpoint.model_shape); bench_pp_balance
+        # reads layer_ids
+        self.cfg, self.vocab_size = chunks[0].cfg, chunks[0].vocab_size
         self.layer_ids = [i for c in chunks for i in c.layer_ids]
 
     def ffn_linears(self, layers: set[int] | None = None) -> dict[str, nn.Module]:
