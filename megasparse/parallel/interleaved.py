@@ -19,6 +19,7 @@ This module is pure Python: no torch, no process group.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 Key = tuple[int, int]
@@ -55,8 +56,10 @@ def warmup_forwards(pp: int, rank: int, chunks: int, num_mb: int) -> int:
     return min((pp - rank - 1) * 2 + (chunks - 1) * pp, num_mb * chunks)
 
 
-def plan(pp: int, rank: int, chunks: int, num_mb: int) -> list[Step]:
-    """Rank ``rank``'s steps of one optimizer step of interleaved 1F1B (``num_mb`` a multiple of ``pp``)."""
+@functools.cache
+def plan(pp: int, rank: int, chunks: int, num_mb: int) -> tuple[Step, ...]:
+    """Rank ``rank``'s steps of one optimizer step of interleaved 1F1B (``num_mb`` a multiple of ``pp``). Pure and
+    fixed for a run, so cached: the trainer asks for it every optimizer step."""
     P, r, v = pp, rank, chunks
     if num_mb % P:
         raise ValueError(f"interleaved 1F1B needs the micro-batch count ({num_mb}) to be a multiple of pp={P}")
@@ -118,7 +121,7 @@ def plan(pp: int, rank: int, chunks: int, num_mb: int) -> list[Step]:
         gin = backward(k)
         recv = k + 1 < total and not last(bwd(k + 1)[0])
         comm(None, False, gin, recv)
-    return steps
+    return tuple(steps)
 
 
 def simulate(
