@@ -89,10 +89,12 @@ class MicrobatchGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             run_one(self.batch)
+        # what the warm-up passes accumulated; afterwards the trainer clears the gradient buckets every step
+        # (DataParallelOptimizer.zero_grad, before the first micro-batch), so the replays need no zeroing of their own
+        torch._foreach_zero_([p.grad for p in self.params])
 
     def run(self, batches: list[Batch], acc: dict) -> None:
-        """One step: clear the accumulators (the warm-up passes' too), replay once per micro-batch."""
-        torch._foreach_zero_([p.grad for p in self.params])
+        """One step: clear the loss accumulator, replay once per micro-batch."""
         self.loss_acc.zero_()
         for b in batches:
             self.batch.tokens.copy_(b.tokens, non_blocking=True)
