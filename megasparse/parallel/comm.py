@@ -217,6 +217,14 @@ def all_gather_into(buf: torch.Tensor, shard: torch.Tensor, group, group_name: s
     return work
 
 
+def all_reduce_flat(tensors: list[torch.Tensor], group, group_name: str, region: str | None = None) -> None:
+    """One all-reduce over the concatenation of ``tensors`` (many small ones: one collective), copied back."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group, group_name, region=region)
+    for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(v.view_as(t))
+
+
 def defer(wait) -> None:
     """Remember the completion of an asynchronous transfer that a later reader must wait for (see ``settle``). A bound
     method is held weakly: a finished trainer's optimizer must not stay alive in this module-level list."""

@@ -133,6 +133,7 @@ class GradBuckets:
             self.buckets.append(bucket)
         self.counts = [0] * len(self.params)
         self.expected = 1
+        self._sp_views: list[torch.Tensor] | None = None
         me = weakref.ref(self)  # autograd's C++ nodes hold the hooks: a strong ref would keep the buckets (and
         for idx, p in enumerate(self.params):  # through them the model) alive after the trainer is gone
             p.register_post_accumulate_grad_hook(GradBuckets._hook(me, idx))
@@ -213,17 +214,15 @@ class GradBuckets:
 
     def _sum_sp_over_tp(self) -> None:
         """Norm weights see a different sequence shard on each TP rank: sum their (owned) gradients over TP."""
-        views = []
-        for b in self.buckets:
-            lo, hi = b.shard(self.rank, self.dp) if self.shard_grads else (0, b.numel)
-            views += [b.grad[s:e] for i, s, e in b.segments(lo, hi) if getattr(b.params[i], "sequence_parallel", 0)]
-        if not views:
-            return
-        flat = torch.cat(views)
-        with comm.phase("optim"):
-            comm.all_reduce(flat, state.tp_group(), "tp", region="grads.sp_norms")
-        for v, r in zip(views, flat.split([v.numel() for v in views])):
-            v.copy_(r)
+        if self._sp_views is None:  # the buffers are zeroed in place, never replaced: their views are found once
+            self._sp_views = []
+            for b in self.buckets:
+                lo, hi = b.shard(self.rank, self.dp) if self.shard_grads else (0, b.numel)
+                sp = [b.grad[s:e] for i, s, e in b.segments(lo, hi) if getattr(b.params[i], "sequence_parallel", 0)]
+                self._sp_views += sp
+        if self._sp_views:
+            with comm.phase("optim"):
+                comm.all_reduce_flat(self._sp_views, state.tp_group(), "tp", region="grads.sp_norms")
 
     @property
     def overlapped(self) -> int:

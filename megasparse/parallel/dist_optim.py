@@ -19,7 +19,6 @@ optimizer state on every rank during a save or load (docs/decisions/0404).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -147,12 +146,7 @@ class DistributedAdamW:
         """The whole model's gradient L2 norm from the owned chunks, summed over every rank."""
         pieces = zip(self.buckets.buckets, self.pieces)
         gs = [view.grad for b, mine in pieces for i, _, _, view in mine if counted(b.params[i])]
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        if gs:
-            sq = torch.stack(torch._foreach_norm(gs)).pow(2).sum()
-        with comm.phase("optim"):
-            comm.all_reduce(sq, None, "world", region="grads.norm")
-        return math.sqrt(sq.item())
+        return grads.norm_over(gs, None, "world", device)
 
     def scale_grads(self, factor: float) -> None:
         gs = [view.grad for mine in self.pieces for *_, view in mine]

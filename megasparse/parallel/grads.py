@@ -15,7 +15,7 @@ import torch
 
 from megasparse.parallel import comm, state
 
-__all__ = ["global_grad_norm"]
+__all__ = ["global_grad_norm", "norm_over"]
 
 
 def global_grad_norm(
@@ -24,9 +24,14 @@ def global_grad_norm(
     """L2 norm of the whole model's gradient: TP shards summed over TP × PP, replicated parameters counted once."""
     tp_rank = state.layout().tp_rank
     grads = [p.grad for name, p in named_params if p.grad is not None and (is_sharded(name) or tp_rank == 0)]
+    return norm_over(grads, state.mp_group(), "mp", device)
+
+
+def norm_over(grads: list[torch.Tensor], group, group_name: str, device: torch.device) -> float:
+    """L2 norm of ``grads`` summed (squared) over ``group``: each rank passes the pieces it counts."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
     with comm.phase("optim"):
-        comm.all_reduce(sq, state.mp_group(), "mp", region="grads.norm")
+        comm.all_reduce(sq, group, group_name, region="grads.norm")
     return math.sqrt(sq.item())
