@@ -93,6 +93,7 @@ class Trainer:
         if cfg.sparsity.enabled:
             self.sparsity = Sparse24Converter(cfg.sparsity, cfg.train.steps, self.compute_dtype)
             self.sparsity.convert(self.model)
+        self.dp_opt.keep_compute_copies()  # bf16 weights cast once per optimizer step, not per micro-batch
         self.num_mb = cfg.num_microbatches(self.dp)
         s_local = m.seq_length // (self.lay.tp if cfg.parallel.sequence_parallel else 1)
         self.act_shape = (s_local, cfg.train.micro_batch_size, m.hidden_size)

@@ -107,7 +107,7 @@ def build_optimizer(model: torch.nn.Module, o: OptimConfig, device: torch.device
         lr=o.lr,
         betas=(o.beta1, o.beta2),
         eps=o.eps,
-        foreach=device.type == "cuda",
+        fused=device.type == "cuda",  # one kernel: 2.8x faster than foreach (H100, 1.1B params; decision 0009)
     )
 
 

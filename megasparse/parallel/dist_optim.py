@@ -26,6 +26,7 @@ from torch import nn
 
 from megasparse.parallel import comm, grads, state
 from megasparse.parallel.ddp import GradBuckets
+from megasparse.parallel.layers import ComputeCopies
 
 __all__ = ["DataParallelOptimizer", "DistributedAdamW"]
 
@@ -259,6 +260,12 @@ class DataParallelOptimizer:
     def __init__(self, model: nn.Module, buckets: GradBuckets, optimizer, device: torch.device) -> None:
         self.model, self.buckets, self.optimizer, self.device = model, buckets, optimizer, device
         self.sharded = isinstance(optimizer, DistributedAdamW)
+        self.copies: ComputeCopies | None = None
+
+    def keep_compute_copies(self) -> None:
+        """Cast the fp32 masters to the compute dtype once per step, not per micro-batch and layer (decision 0009).
+        Call once the model is final (after the 2:4 converter, whose GEMMs keep their own operands)."""
+        self.copies = ComputeCopies(self.model)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -288,6 +295,8 @@ class DataParallelOptimizer:
     def step(self, wait: bool = False) -> None:
         """The optimizer step; ``wait``: the updated parameters are whole on return (the 2:4 hooks read them)."""
         self.optimizer.step()
+        if self.copies is not None:
+            self.copies.refresh()
         if wait:
             self.wait_params()
 
@@ -297,7 +306,15 @@ class DataParallelOptimizer:
 
     def checkpoint_view(self, load: bool = False):
         """The optimizer as ``checkpoint.py`` expects it: a plain AdamW with whole per-parameter state."""
-        return self.optimizer.plain_view(load) if self.sharded else contextlib.nullcontext(self.optimizer)
+        if self.sharded:
+            return self.optimizer.plain_view(load)
+        return self._refreshing(load)
+
+    @contextlib.contextmanager
+    def _refreshing(self, load: bool):
+        yield self.optimizer
+        if load and self.copies is not None:  # the masters were just replaced
+            self.copies.refresh()
 
     def state_bytes(self) -> int:
         """fp32 master weights plus AdamW moments held by this rank (replicated: 12 bytes per local parameter)."""

@@ -37,6 +37,51 @@ class DenseGemm:
 DENSE = DenseGemm()
 
 
+class ComputeCopy:
+    """One fp32 master weight's compute-dtype copy. Read through ``get``: a weight changed in place since the last
+    copy (its version moved) is copied again on the spot, so a forward never reads a stale operand."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.weight = weight
+        self.buf = weight.detach().to(dtype)
+        self.version = weight._version
+
+    def get(self) -> torch.Tensor:
+        if self.weight._version != self.version:
+            self.buf.copy_(self.weight.detach())  # in place: a captured micro-batch keeps reading this buffer
+            self.version = self.weight._version
+        return self.buf
+
+
+class ComputeCopies:
+    """bf16 copies of the linear layers' fp32 master weights, made once per optimizer step instead of once per
+    micro-batch and layer (decision 0009): ``refresh`` after every optimizer step and checkpoint load.
+
+    A fused optimizer writes the masters without moving their version counters, so ``refresh`` is the contract;
+    ``ComputeCopy.get``'s version check covers every other in-place write (a load, a test)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.copies: list[ComputeCopy] = []
+        for m in model.modules():
+            if (
+                isinstance(m, _ParallelLinear)
+                and getattr(m.gemm, "operand", None) is None  # a 2:4 GEMM keeps its own operands
+                and m.weight.dtype != m.compute_dtype
+            ):
+                m.copy = ComputeCopy(m.weight, m.compute_dtype)
+                self.copies.append(m.copy)
+
+    def refresh(self) -> None:
+        if self.copies:
+            torch._foreach_copy_([c.buf for c in self.copies], [c.weight.detach() for c in self.copies])
+            for c in self.copies:
+                c.version = c.weight._version
+
+    @property
+    def numel(self) -> int:
+        return sum(c.buf.numel() for c in self.copies)
+
+
 def seeded_full_init(name: str, shape: tuple[int, ...], std: float, seed: int, device) -> torch.Tensor:
     """The full (unsharded) initial value of parameter ``name``: identical for every layout."""
     gen = torch.Generator(device=device)
@@ -57,10 +102,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, sp: bool, dtype, gemm, name: str):
+    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str):
         group = state.tp_group()
         total = comm.all_gather(x, group, "tp", dim=0, region=f"{name}.sp_gather") if sp else x
-        w = weight.to(dtype)
+        w = weight.to(dtype) if wc is None else wc
         y = gemm.fwd(_flat(total), w).view(*total.shape[:-1], w.shape[0])
         ctx.save_for_backward(total, w)
         ctx.cfg = (sp, gemm, name, x.shape, weight.dtype)
@@ -83,7 +128,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             dw = gemm.wgrad(g.rows, rows_of(total, meta))  # overlaps the dgrad collective
             if work is not None:
                 work.wait()
-            return CompactGrad(dx, meta_out, x_shape), dw.to(wdtype), None, None, None, None
+            return CompactGrad(dx, meta_out, x_shape), dw.to(wdtype), None, None, None, None, None
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
         if sp:
@@ -93,14 +138,14 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         dw = gemm.wgrad(g2, _flat(total))
         if work is not None:
             work.wait()
-        return dx, dw.to(wdtype), None, None, None, None
+        return dx, dw.to(wdtype), None, None, None, None, None
 
 
 class RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, sp: bool, dtype, gemm, name: str):
+    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str):
         group = state.tp_group()
-        w = weight.to(dtype)
+        w = weight.to(dtype) if wc is None else wc
         y = gemm.fwd(_flat(x), w).view(*x.shape[:-1], w.shape[0])
         if sp:
             y = comm.reduce_scatter(y, group, "tp", region=f"{name}.sp_scatter")
@@ -122,13 +167,13 @@ class RowParallelLinearFn(torch.autograd.Function):
                 gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, f"{name}.sp_gather")
             dx = gemm.dgrad(gr, w)
             dw = gemm.wgrad(gr, rows_of(x, meta))
-            return CompactGrad(dx, meta, x.shape), dw.to(wdtype), None, None, None, None
+            return CompactGrad(dx, meta, x.shape), dw.to(wdtype), None, None, None, None, None
         if sp:
             g = comm.all_gather(g, group, "tp", dim=0, region=f"{name}.sp_gather")
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
         dw = gemm.wgrad(g2, _flat(x))
-        return dx, dw.to(wdtype), None, None, None, None
+        return dx, dw.to(wdtype), None, None, None, None, None
 
 
 def vocab_slice_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, dtype) -> tuple[torch.Tensor, ...]:
@@ -139,7 +184,7 @@ def vocab_slice_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, dtyp
     local = torch.where(valid, local, torch.zeros_like(local))
     if weight.shape[0] == 0:  # a slice with no rows still contributes its zeros to the sum
         return ids.new_zeros(*ids.shape, weight.shape[1], dtype=dtype), local, valid
-    return weight.to(dtype)[local] * valid.unsqueeze(-1).to(dtype), local, valid
+    return weight[local].to(dtype) * valid.unsqueeze(-1).to(dtype), local, valid  # gather, then cast the rows
 
 
 def vocab_slice_grad(shape, local: torch.Tensor, valid: torch.Tensor, g2d: torch.Tensor) -> torch.Tensor:
@@ -196,9 +241,19 @@ class _ParallelBase(nn.Module):
 
 class _ParallelLinear(_ParallelBase):
     fn: type[torch.autograd.Function]
+    copy: ComputeCopy | None = None
+    """The weight's compute-dtype copy, refreshed once per optimizer step (``ComputeCopies``); None: cast per call."""
+
+    def compute_weight(self) -> torch.Tensor | None:
+        """The GEMM operand in compute dtype when one is kept (the gemm's own, else ``copy``); None: cast per call."""
+        own = getattr(self.gemm, "operand", None)
+        if own is not None:
+            return own()
+        return None if self.copy is None else self.copy.get()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn.apply(x, self.weight, self.sequence_parallel, self.compute_dtype, self.gemm, self.pname)
+        wc = self.compute_weight()
+        return self.fn.apply(x, self.weight, wc, self.sequence_parallel, self.compute_dtype, self.gemm, self.pname)
 
 
 class ColumnParallelLinear(_ParallelLinear):

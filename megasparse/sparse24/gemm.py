@@ -21,12 +21,27 @@ class Sparse24Gemm:
         self, manager: SparsityManager, name: str, param: torch.nn.Parameter, compute_dtype: torch.dtype, mvue: bool
     ):
         self.manager, self.name, self.param, self.dtype, self.mvue = manager, name, param, compute_dtype, mvue
-        self._w = None
-        self._ver = -1
+        self._w: torch.Tensor | None = None
+        self._key: tuple[int, int] | None = None
         self._state: Sparse24Weight | None = None
         self._mask = None
         self.use_sparse = True
         """False: masked dense GEMMs (the converter's step-level autotune found them faster)."""
+
+    def _copy(self) -> torch.Tensor:
+        """The weight in compute dtype, copied again after each optimizer step: a fused optimizer writes the master
+        without moving its version counter, so the recipe's step count is part of the key."""
+        key = (self.param._version, self.manager.updates)
+        if self._w is None:
+            self._w = self.param.detach().to(self.dtype)
+        elif self._key != key:
+            self._w.copy_(self.param.detach())  # in place: a captured step keeps reading this buffer
+        self._key = key
+        return self._w
+
+    def operand(self) -> torch.Tensor | None:
+        """The layer's compute-dtype weight (the layer casts nothing per micro-batch); None when no cast is needed."""
+        return None if self.param.dtype == self.dtype else self._copy()
 
     def _operands(self) -> tuple[Sparse24Weight | None, torch.Tensor | None]:
         st = self.manager.state(self.name)
@@ -34,20 +49,15 @@ class Sparse24Gemm:
             return None, None
         if self.param.dtype == self.dtype:
             return st, self.param
-        if self._w is None:
-            self._w = self.param.detach().to(self.dtype)
-            self._ver = self.param._version
-        elif self._ver != self.param._version:
-            self._w.copy_(self.param.detach())  # in place: a captured step keeps reading this buffer
-            self._ver = self.param._version
+        wt = self._copy()
         mask = self.manager.masks[self.name]
         if self._state is None:
-            self._state = Sparse24Weight(self._w, mask, backend=self.manager.cfg.backend, name=self.name)
+            self._state = Sparse24Weight(wt, mask, backend=self.manager.cfg.backend, name=self.name)
         elif self._mask is not mask:
             self._state.set_mask(mask)
         self._mask = mask
         self._state.use_sparse = self.use_sparse
-        return self._state, self._w
+        return self._state, wt
 
     def prepare_replay(self) -> tuple:
         """Bring the operands up to date on the host, as a forward would (a replayed CUDA graph runs none of this

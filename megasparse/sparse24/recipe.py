@@ -36,6 +36,8 @@ class SparsityManager:
         self.switch_step = int(round(self.total_steps * (1.0 - cfg.dense_finetune_fraction)))
         """First completed-step count at which training runs dense."""
         self.step = 0
+        self.updates = 0
+        """Optimizer steps and loads seen: the key of the operand copies (a fused optimizer moves no versions)."""
         self.dense = False
         self.masks: dict[str, torch.Tensor] = {}
         self._states: dict[str, Sparse24Weight] = {}
@@ -82,6 +84,7 @@ class SparsityManager:
     def after_step(self, step: int) -> dict[str, float]:
         """Call after optimizer step number ``step`` (1-based). Returns flip rates on mask-refresh steps, else {}."""
         self.step = int(step)
+        self.updates += 1
         if self.dense:
             return {}
         if self.step >= self.switch_step:
@@ -90,7 +93,7 @@ class SparsityManager:
         if self.step % self.cfg.refresh_interval == 0:
             return self._refresh_masks()
         for name, st in self._states.items():
-            st.refresh(self.weights[name])
+            st.refresh(self.weights[name], force=True)  # the optimizer may not have moved the version
         return {}
 
     def _refresh_masks(self) -> dict[str, float]:
@@ -124,6 +127,7 @@ class SparsityManager:
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
+        self.updates += 1
         missing = set(self.weights) - set(sd["masks"])
         if missing:
             raise KeyError(f"sparsity state has no mask for {sorted(missing)}")
