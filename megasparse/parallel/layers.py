@@ -33,8 +33,46 @@ class DenseGemm:
     def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         return g2d.t() @ x2d
 
+    def wgrad_into(self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor) -> bool:
+        """out += g2dᵀ·x2d in ``out``'s dtype (fp32); False: this gemm cannot, use ``wgrad``."""
+        accumulate_mm(out, g2d.t(), x2d)
+        return True
+
 
 DENSE = DenseGemm()
+_FUSED_ADDMM: list[bool] = []  # whether torch.addmm(out_dtype=) accumulates in place here (probed once)
+
+
+def accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a·b with fp32 ``out`` and bf16 ``a``, ``b``: one GEMM with fp32 output and beta = 1 on CUDA (no
+    compute-dtype product, no cast, no separate add), an in-place addmm when the dtypes agree."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    if a.is_cuda and _FUSED_ADDMM != [False]:
+        try:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            _FUSED_ADDMM[:] = [True]
+            return
+        except (TypeError, RuntimeError):  # torch without addmm(out_dtype=): the separate add below
+            _FUSED_ADDMM[:] = [False]
+    out.add_(a @ b)
+
+
+def weight_grad(weight: torch.Tensor, gemm, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor | None:
+    """A linear layer's weight gradient, added straight into its fp32 bucket slice (``main_grad``, ddp.py) when it
+    has one: Megatron's gradient-accumulation fusion (decision 0009). None then goes back to autograd, whose
+    post-accumulate hook (the bucket's arrival count) still fires. Otherwise (no buckets, ``.grad`` detached from
+    the bucket, a gemm that cannot) the gradient is returned for autograd to accumulate."""
+    main = getattr(weight, "main_grad", None)
+    if main is not None and (weight.dtype != torch.float32 or _is_view_of(weight.grad, main)):
+        if gemm.wgrad_into(g2d, x2d, main):
+            return None
+    return gemm.wgrad(g2d, x2d).to(weight.dtype)
+
+
+def _is_view_of(grad: torch.Tensor | None, main: torch.Tensor) -> bool:
+    return grad is not None and grad.data_ptr() == main.data_ptr()
 
 
 class ComputeCopy:
@@ -108,13 +146,13 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         w = weight.to(dtype) if wc is None else wc
         y = gemm.fwd(_flat(total), w).view(*total.shape[:-1], w.shape[0])
         ctx.save_for_backward(total, w)
-        ctx.cfg = (sp, gemm, name, x.shape, weight.dtype)
+        ctx.cfg = (sp, gemm, name, x.shape, weight)
         return y
 
     @staticmethod
     def backward(ctx, g):
         total, w = ctx.saved_tensors
-        sp, gemm, name, x_shape, wdtype = ctx.cfg
+        sp, gemm, name, x_shape, weight = ctx.cfg
         lay = state.layout()
         group = state.tp_group()
         region = f"{name}.dgrad"
@@ -125,20 +163,20 @@ class ColumnParallelLinearFn(torch.autograd.Function):
                 dx, meta_out, work = rows.reduce_scatter_rows(dx, meta, group, lay.tp, lay.tp_rank, region)
             else:
                 meta_out, work = meta, comm.all_reduce(dx, group, "tp", region=region, async_op=True)
-            dw = gemm.wgrad(g.rows, rows_of(total, meta))  # overlaps the dgrad collective
+            dw = weight_grad(weight, gemm, g.rows, rows_of(total, meta))  # overlaps the dgrad collective
             if work is not None:
                 work.wait()
-            return CompactGrad(dx, meta_out, x_shape), dw.to(wdtype), None, None, None, None, None
+            return CompactGrad(dx, meta_out, x_shape), dw, None, None, None, None, None
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
         if sp:
             dx, work = comm.reduce_scatter(dx, group, "tp", region=region, async_op=True)
         else:
             work = comm.all_reduce(dx, group, "tp", region=region, async_op=True)
-        dw = gemm.wgrad(g2, _flat(total))
+        dw = weight_grad(weight, gemm, g2, _flat(total))
         if work is not None:
             work.wait()
-        return dx, dw.to(wdtype), None, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 class RowParallelLinearFn(torch.autograd.Function):
@@ -152,13 +190,13 @@ class RowParallelLinearFn(torch.autograd.Function):
         else:
             comm.all_reduce(y, group, "tp", region=f"{name}.out")
         ctx.save_for_backward(x, w)
-        ctx.cfg = (sp, gemm, name, weight.dtype)
+        ctx.cfg = (sp, gemm, name, weight)
         return y
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        sp, gemm, name, wdtype = ctx.cfg
+        sp, gemm, name, weight = ctx.cfg
         lay = state.layout()
         group = state.tp_group()
         if isinstance(g, CompactGrad):
@@ -166,14 +204,14 @@ class RowParallelLinearFn(torch.autograd.Function):
             if sp:
                 gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, f"{name}.sp_gather")
             dx = gemm.dgrad(gr, w)
-            dw = gemm.wgrad(gr, rows_of(x, meta))
-            return CompactGrad(dx, meta, x.shape), dw.to(wdtype), None, None, None, None, None
+            dw = weight_grad(weight, gemm, gr, rows_of(x, meta))
+            return CompactGrad(dx, meta, x.shape), dw, None, None, None, None, None
         if sp:
             g = comm.all_gather(g, group, "tp", dim=0, region=f"{name}.sp_gather")
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
-        dw = gemm.wgrad(g2, _flat(x))
-        return dx, dw.to(wdtype), None, None, None, None, None
+        dw = weight_grad(weight, gemm, g2, _flat(x))
+        return dx, dw, None, None, None, None, None
 
 
 def vocab_slice_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, dtype) -> tuple[torch.Tensor, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from megasparse.parallel.layers import accumulate_mm
 from megasparse.sparse24.linear import Sparse24Weight, sparse24_backward, sparse24_forward
 from megasparse.sparse24.recipe import SparsityManager
 
@@ -77,6 +78,13 @@ class Sparse24Gemm:
         if st is None:
             return g2d @ w
         return sparse24_backward(g2d, None, wt, st, self.mvue, need_input_grad=True, need_weight_grad=False)[0]
+
+    def wgrad_into(self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor) -> bool:
+        """Straight-through: the dense weight gradient, added into ``out``; MVUE's sparse estimate returns instead."""
+        if self.mvue and self.manager.state(self.name) is not None:
+            return False
+        accumulate_mm(out, g2d.t(), x2d)
+        return True
 
     def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
         st, wt = self._operands()
