@@ -31,6 +31,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def _rope_into(dst: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``apply_rope(x, cos, sin)`` written into ``dst`` (any strides): four kernels and no concatenation."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    lo, hi = dst[..., :h], dst[..., h:]
+    torch.mul(x1, cos, out=lo)
+    lo.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=hi)
+    hi.addcmul_(x1, sin)
+
+
 _CUDNN = {"ok": True}
 """cuDNN attention is used on CUDA (bf16/fp16) until a call of it fails; then flash attention, with one warning."""
 
@@ -42,15 +53,26 @@ def _cudnn_off(e: Exception) -> None:
     warnings.warn(f"megasparse: cuDNN attention unavailable ({type(e).__name__}: {e}); using flash", stacklevel=3)
 
 
+def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA's shared key/value heads repeated to ``heads`` for the kernels that want them whole."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[1] == heads else t.unflatten(1, (heads, t.shape[1] // heads)).sum(2)
+
+
 def _flash_fwd(q, k, v, scale):
-    """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward)."""
+    """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward); k, v may have fewer (GQA) heads."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"]:
-        # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007)
+        # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007); it takes GQA's key/value
+        # heads as they are (no repeated copies; fwd+bwd 2.84 -> 2.53 ms at b=4, 32/4 heads, decision 0010)
         try:
             r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
             return r[0], r[1].view(r[1].shape[:3]), ("cudnn", r[6], r[7])
         except RuntimeError as e:
             _cudnn_off(e)
+    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         return r[0], r[1], ("flash", r[6], r[7])
@@ -62,7 +84,8 @@ def _flash_fwd(q, k, v, scale):
 
 
 def _flash_bwd(g, q, k, v, out, lse, rng, scale):
-    """dq, dk, dv of causal attention on whatever rows are given (all, or the kept ones with their lse rows)."""
+    """dq, dk, dv of causal attention on whatever rows are given (all, or the kept ones with their lse rows);
+    dk, dv come back with k's and v's (GQA) head count."""
     s_q, s_k = q.shape[2], k.shape[2]
     if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"]:
         if g.stride() != out.stride():  # cuDNN wants dO laid out like O
@@ -73,17 +96,34 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale):
             )[:3]
         except RuntimeError as e:  # flash's backward takes cuDNN's out and lse as they are
             _cudnn_off(e)
+    nkv, heads = k.shape[1], q.shape[1]
+    k, v = _expand(k, heads), _expand(v, heads)
     if rng is not None and rng[0] in ("flash", "cudnn"):
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, True, rng[1], rng[2], scale=scale
         )
-    if rng is not None:
-        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+    elif rng is not None:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             g, q, k, v, None, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], True, scale=scale
         )[:3]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g, q, k, v, out, lse, 0.0, True, scale=scale
-    )
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, True, scale=scale
+        )
+    return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
+
+
+def _rows_at(t: torch.Tensor, flat: torch.Tensor, b: int, m: int) -> torch.Tensor:
+    """[b, h, m, d]: ``t`` [b, h, s, d] at the kept positions (``flat`` = position·b + sequence, [b·m]). One row
+    gather (index_select) when t is a view of [s, b, h·d] rows, as q, k, v and cuDNN's output are; an
+    elementwise gather along s otherwise."""
+    _, h, s, d = t.shape
+    try:
+        rows = t.permute(2, 0, 1, 3).view(s * b, h * d)
+    except RuntimeError:
+        pos = (flat.view(b, m) // b)[:, None, :, None]
+        return t.gather(2, pos.expand(-1, h, -1, d))
+    return rows.index_select(0, flat).view(b, m, h, d).permute(0, 2, 1, 3)
 
 
 class AttentionFn(torch.autograd.Function):
@@ -96,36 +136,33 @@ class AttentionFn(torch.autograd.Function):
         q = apply_rope(q, c.to(q.dtype), sn.to(q.dtype)).permute(1, 2, 0, 3)  # [b, nq, s, d]
         k = apply_rope(k, c.to(k.dtype), sn.to(k.dtype)).permute(1, 2, 0, 3)
         v = v.permute(1, 2, 0, 3)
-        group = nq // nkv
-        ke = k.repeat_interleave(group, dim=1) if group > 1 else k
-        ve = v.repeat_interleave(group, dim=1) if group > 1 else v
         scale = d**-0.5
-        out, lse, rng = _flash_fwd(q, ke, ve, scale)
-        ctx.save_for_backward(q, ke, ve, out, lse, cos, sin)
+        out, lse, rng = _flash_fwd(q, k, v, scale)  # k, v keep GQA's nkv heads (saved so: 1/group the memory)
+        ctx.save_for_backward(q, k, v, out, lse, cos, sin)
         ctx.meta = (nq, nkv, d, scale, rng, qkv.shape)
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
 
     @staticmethod
     def backward(ctx, g):
-        q, ke, ve, out, lse, cos, sin = ctx.saved_tensors
+        q, k, v, out, lse, cos, sin = ctx.saved_tensors
         nq, nkv, d, scale, rng, shape = ctx.meta
-        group = nq // nkv
         s, b, _ = shape
 
         def finish(dq, dk, dv, pos):
-            # dq/dk/dv: [bb, heads, t, d] -> rows [t, bb, (nq+2nkv)d] with RoPE undone at ``pos``.
-            if group > 1:
-                dk = dk.unflatten(1, (nkv, group)).sum(2)
-                dv = dv.unflatten(1, (nkv, group)).sum(2)
+            # dq [bb, nq, t, d], dk/dv [bb, nkv, t, d] -> rows [t, bb, (nq+2nkv)d] with RoPE undone at ``pos``.
             c, sn = cos[pos].to(dq.dtype), sin[pos].to(dq.dtype)  # pos: [t] shared, or [bb, t] per sequence
             c, sn = (c[None, None], sn[None, None]) if pos.dim() == 1 else (c[:, None], sn[:, None])
-            dq = apply_rope(dq, c, sn, inverse=True)
-            dk = apply_rope(dk, c, sn, inverse=True)
-            return torch.cat([dq, dk, dv], dim=1).permute(2, 0, 1, 3).flatten(2)
+            bb, _, t, _ = dq.shape
+            rows = dq.new_empty(t, bb, nq + 2 * nkv, d)  # written in place: no cat of strided kernel outputs
+            heads = rows.permute(1, 2, 0, 3)
+            _rope_into(heads[:, :nq], dq, c, -sn)  # inverse rotation
+            _rope_into(heads[:, nq : nq + nkv], dk, c, -sn)
+            heads[:, nq + nkv :].copy_(dv)
+            return rows.flatten(2)
 
         if not isinstance(g, CompactGrad):
             go = g.view(s, b, nq, d).permute(1, 2, 0, 3)
-            dq, dk, dv = _flash_bwd(go, q, ke, ve, out, lse, rng, scale)
+            dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
             return finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape), None, None, None, None
 
         # One batched kernel over the micro-batch: each sequence's kept positions, padded at the end to the
@@ -134,9 +171,10 @@ class AttentionFn(torch.autograd.Function):
         pos, sel = g.meta.padded_per_sequence()  # [b, m] positions, [b, m] compact rows (K = padding)
         k_rows = g.rows.shape[0]
         src = torch.cat([g.rows, g.rows.new_zeros(1, g.rows.shape[1])])
-        go = src.index_select(0, sel.reshape(-1)).view(b, -1, nq, d).permute(0, 2, 1, 3)
-        ix = pos[:, None, :, None]
-        sub = [t.gather(2, ix.expand(-1, t.shape[1], -1, t.shape[3])) for t in (q, ke, ve, out)]
+        m = pos.shape[1]
+        go = src.index_select(0, sel.reshape(-1)).view(b, m, nq, d).permute(0, 2, 1, 3)
+        flat = (pos * b + torch.arange(b, device=pos.device)[:, None]).reshape(-1)  # rows of the [s, b] layout
+        sub = [_rows_at(t, flat, b, m) for t in (q, k, v, out)]
         lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)).contiguous()
         dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
         rows = g.rows.new_empty(k_rows + 1, shape[-1])  # the last row takes (and drops) the padding
