@@ -15,31 +15,13 @@ from __future__ import annotations
 import torch
 
 from megasparse.ops.compact import CompactGrad
+from megasparse.ops.rope_kernels import rope_into
 
 
 def rope_tables(seq: int, dim: int, theta: float, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
     ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv)
     return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate-half RoPE on the last dim; ``cos``/``sin`` broadcast against x[..., :d/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    if inverse:
-        sin = -sin
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def _rope_into(dst: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``apply_rope(x, cos, sin)`` written into ``dst`` (any strides): four kernels and no concatenation."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    lo, hi = dst[..., :h], dst[..., h:]
-    torch.mul(x1, cos, out=lo)
-    lo.addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=hi)
-    hi.addcmul_(x1, sin)
 
 
 _CUDNN = {"ok": True}
@@ -131,11 +113,13 @@ class AttentionFn(torch.autograd.Function):
     def forward(ctx, qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor):
         s, b, _ = qkv.shape
         d = qkv.shape[-1] // (nq + 2 * nkv)
-        q, k, v = qkv.view(s, b, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
-        c, sn = cos[:s, None, None, :], sin[:s, None, None, :]
-        q = apply_rope(q, c.to(q.dtype), sn.to(q.dtype)).permute(1, 2, 0, 3)  # [b, nq, s, d]
-        k = apply_rope(k, c.to(k.dtype), sn.to(k.dtype)).permute(1, 2, 0, 3)
-        v = v.permute(1, 2, 0, 3)
+        heads = qkv.view(s, b, nq + 2 * nkv, d)
+        qk = qkv.new_empty(s, b, nq + nkv, d)  # q and k rotated, in one [s, b, heads, d] buffer like qkv
+        positions = torch.arange(s, device=qkv.device)
+        rope_into(qk.permute(1, 2, 0, 3), heads[:, :, : nq + nkv].permute(1, 2, 0, 3), cos, sin, positions)
+        q = qk[:, :, :nq].permute(1, 2, 0, 3)  # [b, nq, s, d]
+        k = qk[:, :, nq:].permute(1, 2, 0, 3)
+        v = heads[:, :, nq + nkv :].permute(1, 2, 0, 3)
         scale = d**-0.5
         out, lse, rng = _flash_fwd(q, k, v, scale)  # k, v keep GQA's nkv heads (saved so: 1/group the memory)
         ctx.save_for_backward(q, k, v, out, lse, cos, sin)
@@ -150,13 +134,11 @@ class AttentionFn(torch.autograd.Function):
 
         def finish(dq, dk, dv, pos):
             # dq [bb, nq, t, d], dk/dv [bb, nkv, t, d] -> rows [t, bb, (nq+2nkv)d] with RoPE undone at ``pos``.
-            c, sn = cos[pos].to(dq.dtype), sin[pos].to(dq.dtype)  # pos: [t] shared, or [bb, t] per sequence
-            c, sn = (c[None, None], sn[None, None]) if pos.dim() == 1 else (c[:, None], sn[:, None])
-            bb, _, t, _ = dq.shape
+            bb, _, t, _ = dq.shape  # pos: [t] shared, or [bb, t] per sequence
             rows = dq.new_empty(t, bb, nq + 2 * nkv, d)  # written in place: no cat of strided kernel outputs
             heads = rows.permute(1, 2, 0, 3)
-            _rope_into(heads[:, :nq], dq, c, -sn)  # inverse rotation
-            _rope_into(heads[:, nq : nq + nkv], dk, c, -sn)
+            rope_into(heads[:, :nq], dq, cos, sin, pos, inverse=True)
+            rope_into(heads[:, nq : nq + nkv], dk, cos, sin, pos, inverse=True)
             heads[:, nq + nkv :].copy_(dv)
             return rows.flatten(2)
 
