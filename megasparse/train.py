@@ -211,7 +211,7 @@ class Trainer:
             return StepResult(loss, gnorm, lr, tokens, time.perf_counter() - t0, {"skipped": self.guard.total})
         self.dp_opt.clip(gnorm, self.cfg.optim.grad_clip)
         if self.sparsity is not None:
-            self.sparsity.pre_optimizer_step()
+            self.sparsity.pre_optimizer_step(self.dp_opt.optimizer)
         self.dp_opt.step(wait=self.sparsity is not None)  # the 2:4 hooks read whole weights
         extra = {} if self.sparsity is None else self.sparsity.post_optimizer_step(self.step + 1)
         if self.device.type == "cuda":

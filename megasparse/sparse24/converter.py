@@ -3,7 +3,7 @@
     conv = Sparse24Converter(cfg.sparsity, total_steps, compute_dtype)
     conv.convert(model)                 # the model names its FFN GEMMs (``model.ffn_linears``); they go 2:4
     ... backward ...
-    conv.pre_optimizer_step()           # masked decay into the gradients
+    conv.pre_optimizer_step(optimizer)  # masked decay into the gradients (or, fused: the sparse weights' whole step)
     optimizer.step()
     metrics.update(conv.post_optimizer_step(step))   # refresh / flip rate / dense switch
     extra.update(conv.extra_state())    # masks travel in the checkpoint's extra state
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megasparse.parallel.shards import shard_like
 from megasparse.sparse24.config import SparsityConfig
 from megasparse.sparse24.gemm import Sparse24Gemm
+from megasparse.sparse24.optim import FusedMaskedAdamW
 from megasparse.sparse24.recipe import SparsityManager
 
 __all__ = ["Sparse24Converter"]
@@ -36,6 +37,7 @@ class Sparse24Converter:
         self.cfg, self.total_steps, self.compute_dtype = cfg, int(total_steps), compute_dtype
         self.manager: SparsityManager | None = None
         self.autotune: GemmAutotune | None = None
+        self.fused: FusedMaskedAdamW | None = None
 
     def convert(self, model: torch.nn.Module) -> SparsityManager:
         """Convert the FFN linears the model names (``model.ffn_linears(layers)``) in ``sparsity.layers``."""
@@ -50,17 +52,25 @@ class Sparse24Converter:
             lin.gemm = Sparse24Gemm(self.manager, n, lin.weight, self.compute_dtype, self.cfg.mvue)
             gemms.append(lin.gemm)
         on_gpu = any(lin.weight.is_cuda for lin in linears.values())
+        if on_gpu and not self.cfg.monitor_only:
+            self.fused = FusedMaskedAdamW(self.manager, {n: lin.gemm for n, lin in linears.items()})
         if self.cfg.backend == "auto" and on_gpu and self.total_steps >= GemmAutotune.STEPS_NEEDED:
             self.autotune = GemmAutotune(gemms)
         return self.manager
 
-    def pre_optimizer_step(self) -> None:
-        """Masked decay of the pruned weights, added to the gradients the optimizer is about to use."""
+    def pre_optimizer_step(self, optimizer=None) -> None:
+        """Masked decay of the pruned weights, added to the gradients the optimizer is about to use; with a fused
+        CUDA AdamW, the sparse weights' whole step instead (decay, AdamW and their bf16 copy in one kernel,
+        ``optim.py``), and the optimizer's own step skips them."""
+        if optimizer is not None and self.fused is not None and self.fused.step(optimizer):
+            return
         self.manager.apply_masked_decay()
 
     def post_optimizer_step(self, step: int) -> dict:
         """After optimizer step ``step`` (1-based): refresh masks on schedule; metrics for the step's log line."""
         out: dict = {}
+        if self.fused is not None:
+            self.fused.restore()
         if self.autotune is not None:
             self.autotune.tick(step)
         rates = self.manager.after_step(step)
@@ -80,6 +90,8 @@ class Sparse24Converter:
     def load_extra_state(self, extra: dict[str, torch.Tensor], step: int) -> None:
         """Restore masks and the dense switch saved by :meth:`extra_state` at optimizer step ``step``."""
         masks = {k[len(_MASK) :]: v.bool() for k, v in extra.items() if k.startswith(_MASK)}
+        if self.fused is not None:
+            self.fused.reset()  # the optimizer state (and its step counts) was just loaded
         self.manager.load_state_dict({"step": step, "dense": bool(extra["sparsity_dense"]), "masks": masks})
 
 

@@ -24,6 +24,7 @@ class Sparse24Gemm:
         self.manager, self.name, self.param, self.dtype, self.mvue = manager, name, param, compute_dtype, mvue
         self._w: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
+        self._written_at: int | None = None
         self._state: Sparse24Weight | None = None
         self._mask = None
         self.use_sparse = True
@@ -31,14 +32,24 @@ class Sparse24Gemm:
 
     def _copy(self) -> torch.Tensor:
         """The weight in compute dtype, copied again after each optimizer step: a fused optimizer writes the master
-        without moving its version counter, so the recipe's step count is part of the key."""
+        without moving its version counter, so the recipe's step count is part of the key. When the fused 2:4
+        step (``optim.py``) already wrote the new values here, only the operands built from them are stale."""
         key = (self.param._version, self.manager.updates)
         if self._w is None:
             self._w = self.param.detach().to(self.dtype)
         elif self._key != key:
-            self._w.copy_(self.param.detach())  # in place: a captured step keeps reading this buffer
+            if self._written_at == self.param._version:
+                if self._state is not None:
+                    self._state.invalidate()
+            else:
+                self._w.copy_(self.param.detach())  # in place: a captured step keeps reading this buffer
+            self._written_at = None
         self._key = key
         return self._w
+
+    def copy_written(self) -> None:
+        """The optimizer just wrote the updated weight into the compute copy (``optim.FusedMaskedAdamW``)."""
+        self._written_at = self.param._version
 
     def operand(self) -> torch.Tensor | None:
         """The layer's compute-dtype weight (the layer casts nothing per micro-batch); None when no cast is needed."""

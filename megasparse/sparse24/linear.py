@@ -262,6 +262,11 @@ class Sparse24Weight:
         self.mask_version += 1
         self._built_from = None
 
+    def invalidate(self) -> None:
+        """The weight's values changed without its version counter moving (written by a kernel): rebuild at the next
+        refresh."""
+        self._built_from = None
+
     def refresh(self, weight: torch.Tensor, force: bool = False) -> None:
         """Rebuild cached operands from ``weight`` if it (or the mask) changed since the last build."""
         stamp = (weight._version, self.mask_version, weight.data_ptr())
