@@ -86,9 +86,11 @@ class _Slice:
         dtype: torch.dtype,
         ignore_index: int,
         rows: int,
+        hidden: int | None = None,
+        cuda: bool = False,
     ):
         self.dtype = dtype
-        impl, _ = resolve_impl(cfg, rows, width)
+        impl, _ = resolve_impl(cfg, rows, width, hidden, cuda)
         cce = impl == "cce"
         self.opt = LossOptions(
             n_valid=max(0, min(width, vocab_size - vocab_start)), vocab_start=vocab_start, softcap=cfg.softcap,
@@ -178,7 +180,17 @@ def vocab_pp_loss(
     compute dtype. Every other pipeline rank must run ``VocabPPPeer.step`` for the same micro-batch.
     ``keep``: a KeepHolder (or ``KeepSpec``) whose ``meta`` selection fills before backward (compact backward).
     """
-    sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], weight.dtype, ignore_index, targets.numel())
+    sl = _Slice(
+        cfg,
+        vocab_start,
+        vocab_size,
+        weight.shape[0],
+        weight.dtype,
+        ignore_index,
+        targets.numel(),
+        weight.shape[1],
+        weight.is_cuda,
+    )
     return _LastStageLoss.apply(hidden, weight, targets, sl, sequence_parallel, KeepSpec.of(keep))
 
 
@@ -202,7 +214,17 @@ class VocabPPPeer:
         self.rows = rows
         self.kept_rows = kept_rows
         self.ignore_index = ignore_index
-        self.sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], compute_dtype, ignore_index, rows)
+        self.sl = _Slice(
+            cfg,
+            vocab_start,
+            vocab_size,
+            weight.shape[0],
+            compute_dtype,
+            ignore_index,
+            rows,
+            weight.shape[1],
+            weight.is_cuda,
+        )
 
     def step(self, targets: Tensor, train: bool) -> None:
         """Join the last stage's loss of one micro-batch (forward, and with ``train`` its backward)."""
