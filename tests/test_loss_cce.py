@@ -281,14 +281,6 @@ def test_auto_impl_picks_by_materialised_logit_memory():
     assert resolve_impl(LossConfig(impl="torch"), 8192, 256000)[0] == "torch"
     assert resolve_impl(LossConfig(impl="cce"), 8, 8)[0] == "cce"
     assert load_config(None, ["loss.materialize_budget_gib=0.5"]).loss.resolved_impl(8192, 64128) == "cce"
-    # on CUDA at small hidden sizes CCE is the faster step whatever the logits' size (loss.cce_max_hidden)
-    impl, why = resolve_impl(cfg, 4096, 32000, hidden=2048, cuda=True)
-    assert impl == "cce" and "cce_max_hidden=2048" in why
-    assert resolve_impl(cfg, 4096, 32000, hidden=2048, cuda=False)[0] == "torch"  # the CPU's CCE is a reference
-    assert resolve_impl(cfg, 4096, 64128, hidden=4096, cuda=True)[0] == "torch"  # 8B: the materialised loss
-    assert resolve_impl(LossConfig(cce_max_hidden=0), 4096, 32000, hidden=2048, cuda=True)[0] == "torch"
-    with pytest.raises(ConfigError, match="loss.cce_max_hidden"):
-        LossConfig(cce_max_hidden=-1).validate()
     with pytest.raises(ConfigError, match="loss.materialize_budget_gib"):
         LossConfig(materialize_budget_gib=0).validate()
     # the loss follows the choice: bitwise the materialised loss under the budget, CCE over it

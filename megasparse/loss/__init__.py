@@ -58,7 +58,7 @@ def vocab_parallel_loss(
     n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
     targets = targets.reshape(-1)
     keep = KeepSpec.of(keep_idx)
-    impl, reason = resolve_impl(cfg, targets.numel(), weight.shape[0], hidden.shape[-1], hidden.is_cuda)
+    impl, reason = resolve_impl(cfg, targets.numel(), weight.shape[0])
     if cfg.impl == "auto":
         _log_choice(reason)
     if impl == "mcore":  # dense backward: a KeepHolder is ignored (config validation rejects collider)

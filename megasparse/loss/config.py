@@ -25,11 +25,6 @@ class LossConfig:
     materialize_budget_gib: float = 4.0
     """impl=auto: the most memory the materialised loss may spend on its fp32 logits (rows × local vocabulary ×
     4 bytes, per micro-batch, per rank) before auto picks cce, which never forms them."""
-    cce_max_hidden: int = 2048
-    """impl=auto on CUDA: cce at hidden sizes up to this whatever the logits' size. Its recomputed logits cost
-    2·N·V·D FLOPs while the materialised loss pays passes over N·V fp32 logits, so CCE wins at small D: in the
-    TinyLlama step (D 2048, one H100) it is 0.94–0.97× the materialised loss's step time with 10 GiB less memory;
-    at D 2304 its kernel is 0.99–1.07×, at D 4096 1.10–1.19× (decision 0203). 0 turns the rule off."""
     filter_eps: float | Literal["auto"] | None = "auto"
     """Skip softmax-gradient blocks whose entries are all below this (the cce tile kernels, ``backend=triton``, and the
     CPU reference; the default GEMM backend is exact, decision 0203); None is the exact mode. auto
@@ -61,15 +56,13 @@ class LossConfig:
     pick it: the embedding costs memory but almost no compute, so it goes where the pipeline holds the fewest
     activations (the last stages) until the estimated per-stage memory is level."""
 
-    def resolved_impl(self, rows: int, vocab_local: int, hidden: int | None = None, cuda: bool = False) -> str:
+    def resolved_impl(self, rows: int, vocab_local: int) -> str:
         """``resolve_impl``'s choice, for callers that hold a config but must not import the loss package."""
-        return resolve_impl(self, rows, vocab_local, hidden, cuda)[0]
+        return resolve_impl(self, rows, vocab_local)[0]
 
     def validate(self) -> None:
         if self.impl not in ("auto", "cce", "torch", "mcore"):
             raise ConfigError(f"loss.impl={self.impl!r}: use auto, cce, torch or mcore")
-        if self.cce_max_hidden < 0:
-            raise ConfigError(f"loss.cce_max_hidden={self.cce_max_hidden}: use a hidden size, or 0 to turn it off")
         if not self.materialize_budget_gib > 0:
             raise ConfigError(f"loss.materialize_budget_gib={self.materialize_budget_gib}: use a positive size")
         if self.impl == "mcore" and (self.softcap is not None or self.z_loss):
@@ -86,13 +79,10 @@ class LossConfig:
             raise ConfigError(f"loss.z_loss={self.z_loss} must be >= 0")
 
 
-def resolve_impl(
-    cfg: LossConfig, rows: int, vocab_local: int, hidden: int | None = None, cuda: bool = False
-) -> tuple[str, str]:
+def resolve_impl(cfg: LossConfig, rows: int, vocab_local: int) -> tuple[str, str]:
     """(impl, why) for one run: ``loss.impl`` itself unless it is auto; auto picks cce when the materialised
     fp32 logits of one micro-batch on one rank (``rows`` × ``vocab_local`` × 4 bytes) exceed
-    ``loss.materialize_budget_gib``, or on CUDA at ``hidden`` ≤ ``loss.cce_max_hidden`` (where it is the faster
-    step); the materialised loss (impl=torch) otherwise. The caller logs ``why`` once."""
+    ``loss.materialize_budget_gib``, the materialised loss (impl=torch) otherwise. The caller logs ``why`` once."""
     if cfg.impl != "auto":
         return cfg.impl, f"loss.impl={cfg.impl} (configured)"
     gib = rows * vocab_local * 4 / GIB
@@ -100,8 +90,6 @@ def resolve_impl(
     size = f"materialised logits {rows}x{vocab_local} fp32 = {gib:.2f} GiB"
     if gib > budget:
         return "cce", f"loss.impl=auto -> cce: {size} > loss.materialize_budget_gib={budget}"
-    if cuda and hidden is not None and hidden <= cfg.cce_max_hidden:
-        return "cce", f"loss.impl=auto -> cce: hidden {hidden} <= loss.cce_max_hidden={cfg.cce_max_hidden} on CUDA"
     return "torch", f"loss.impl=auto -> torch: {size} <= loss.materialize_budget_gib={budget}"
 
 

@@ -86,11 +86,9 @@ class _Slice:
         dtype: torch.dtype,
         ignore_index: int,
         rows: int,
-        hidden: int | None = None,
-        cuda: bool = False,
     ):
         self.dtype = dtype
-        impl, _ = resolve_impl(cfg, rows, width, hidden, cuda)
+        impl, _ = resolve_impl(cfg, rows, width)
         cce = impl == "cce"
         self.opt = LossOptions(
             n_valid=max(0, min(width, vocab_size - vocab_start)), vocab_start=vocab_start, softcap=cfg.softcap,
@@ -180,17 +178,7 @@ def vocab_pp_loss(
     compute dtype. Every other pipeline rank must run ``VocabPPPeer.step`` for the same micro-batch.
     ``keep``: a KeepHolder (or ``KeepSpec``) whose ``meta`` selection fills before backward (compact backward).
     """
-    sl = _Slice(
-        cfg,
-        vocab_start,
-        vocab_size,
-        weight.shape[0],
-        weight.dtype,
-        ignore_index,
-        targets.numel(),
-        weight.shape[1],
-        weight.is_cuda,
-    )
+    sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], weight.dtype, ignore_index, targets.numel())
     return _LastStageLoss.apply(hidden, weight, targets, sl, sequence_parallel, KeepSpec.of(keep))
 
 
@@ -214,17 +202,7 @@ class VocabPPPeer:
         self.rows = rows
         self.kept_rows = kept_rows
         self.ignore_index = ignore_index
-        self.sl = _Slice(
-            cfg,
-            vocab_start,
-            vocab_size,
-            weight.shape[0],
-            compute_dtype,
-            ignore_index,
-            rows,
-            weight.shape[1],
-            weight.is_cuda,
-        )
+        self.sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], compute_dtype, ignore_index, rows)
 
     def step(self, targets: Tensor, train: bool) -> None:
         """Join the last stage's loss of one micro-batch (forward, and with ``train`` its backward)."""

@@ -168,8 +168,7 @@ def estimate(
             flops += loss_flops(cfg, tokens, out_cols)
             act += tokens * h * elem  # the (gathered) final hidden the loss keeps for its backward
             # materialised logits (impl=torch/mcore, or auto under its budget): [tokens, V_local] fp32 + compute dtype
-            cuda = cfg.train.device == "cuda"  # auto: estimated as the CPU would run it
-            if cfg.loss.resolved_impl(tokens, out_cols, cfg.model.hidden_size, cuda) in ("torch", "mcore"):
+            if cfg.loss.resolved_impl(tokens, out_cols) in ("torch", "mcore"):
                 act += tokens * out_cols * (4 + elem)
         stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, params * STATE_BYTES / GIB, act / GIB))
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
