@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpret import check_under_interpreter, needs_interpreter
 
 from megasparse.ops.rmsnorm_kernels import rms_backward_reference, rms_forward_reference
 
@@ -34,14 +31,9 @@ def _check() -> None:
             assert y.dtype == dx.dtype == dtype and dw.dtype == torch.float32
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="triton needs Linux")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested instead")
+@needs_interpreter
 def test_rmsnorm_kernels_match_fp64_reference_under_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    code = "import test_rmsnorm_triton as t; t._check()"
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(__file__), capture_output=True)
-    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    check_under_interpreter("test_rmsnorm_triton")
 
 
 def test_reference_backward_is_the_autograd_gradient() -> None:

@@ -3,12 +3,9 @@ reference: odd head counts, strided input and output, shared and per-sequence po
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpret import check_under_interpreter, needs_interpreter
 
 from megasparse.ops.attention import rope_tables
 from megasparse.ops.rope_kernels import rope_reference
@@ -48,14 +45,9 @@ def _check(device: str = "cpu") -> None:
         assert torch.allclose(back, x.double(), atol=1e-12)  # the reference's inverse undoes it
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="triton needs Linux")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested instead")
+@needs_interpreter
 def test_rope_kernel_matches_fp64_reference_under_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    code = "import test_rope_triton as t; t._check()"
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(__file__), capture_output=True)
-    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    check_under_interpreter("test_rope_triton")
 
 
 def test_reference_is_the_rotation_of_each_pair() -> None:

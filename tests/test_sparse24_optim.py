@@ -4,12 +4,9 @@ like the run without it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpret import check_under_interpreter, needs_interpreter
 
 from megasparse.sparse24.optim import masked_adamw_reference
 
@@ -61,14 +58,9 @@ def _check(device: str = "cpu") -> None:
                 assert ((out.float() - p).abs() <= 2**-7 * p.abs()).all()
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="triton needs Linux")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested instead")
+@needs_interpreter
 def test_kernel_matches_reference_under_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    code = "import test_sparse24_optim as t; t._check()"
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(__file__), capture_output=True)
-    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    check_under_interpreter("test_sparse24_optim")
 
 
 @pytest.mark.gpu

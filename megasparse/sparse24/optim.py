@@ -94,6 +94,7 @@ class FusedMaskedAdamW:
 
     def __init__(self, manager, gemms: dict[str, object]) -> None:
         self.manager, self.gemms = manager, gemms
+        self.names = {id(p): name for name, p in manager.weights.items()}  # the weights are fixed for a run
         self.steps: dict[str, int] | None = None
         self.hidden: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
@@ -116,17 +117,15 @@ class FusedMaskedAdamW:
         mgr = self.manager
         if not mgr.sparse or not self.usable(optimizer):
             return False
-        params = {id(p): (name, p) for name, p in mgr.weights.items()}
         todo = []
         for group in optimizer.param_groups:
             for p in group["params"]:
-                hit = params.get(id(p))
-                if hit is None or p.grad is None:
+                name = self.names.get(id(p))
+                if name is None or p.grad is None:
                     continue
-                gemm = self.gemms.get(hit[0])
                 if p.dtype != torch.float32 or not p.is_cuda or not p.is_contiguous() or not p.grad.is_contiguous():
                     return False
-                todo.append((hit[0], p, group, getattr(gemm, "_w", None)))
+                todo.append((name, p, group, getattr(self.gemms.get(name), "_w", None)))
         if not todo:
             return False
         if self.steps is None:  # once per run and after a load: one read of the device step counts
