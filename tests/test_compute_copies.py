@@ -20,10 +20,13 @@ def _train(extra: list[str], copies: bool, fused: bool, steps: int = 4) -> dict:
 
     tr = Trainer(load_config(None, BF16 + extra))
     linears = [m for m in tr.model.modules() if isinstance(m, _ParallelLinear)]
+    outputs = [m for m in tr.model.modules() if getattr(m, "output_copy", None) is not None]
     if not copies:  # the per-use cast: what every layer did before
         tr.dp_opt.copies = None
         for m in linears:
             m.copy = None
+        for m in outputs:
+            m.output_copy = None
     if fused:  # moves no version counter: only the refresh after the step keeps the copies current
         o = tr.cfg.optim
         groups = [{"params": ps, "weight_decay": wd} for ps, wd in _decay_groups(tr.model, o)]
@@ -34,8 +37,10 @@ def _train(extra: list[str], copies: bool, fused: bool, steps: int = 4) -> dict:
         for m in linears:  # what the next forward will multiply with
             w = m.compute_weight()
             stale += int(w is not None and not torch.equal(w, m.weight.detach().to(torch.bfloat16)))
+        for m in outputs if copies else []:
+            stale += int(not torch.equal(m.output_copy.get(), m.output_weight.detach().to(torch.bfloat16)))
     kept = tr.dp_opt.copies.copies if tr.dp_opt.copies is not None else []
-    return {"losses": losses, "stale": stale, "copies": len(kept), "linears": len(linears)}
+    return {"losses": losses, "stale": stale, "copies": len(kept), "linears": len(linears), "outputs": len(outputs)}
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
@@ -44,8 +49,9 @@ def test_copies_once_per_step_train_like_a_cast_per_use(extra, fused):
     res = run_distributed(_train, 1, extra, True, fused)[0]
     ref = run_distributed(_train, 1, extra, False, fused)[0]
     assert res["stale"] == 0
-    # every linear keeps a copy; under 2:4 the FFN GEMMs keep their own (fc1, fc2 of each layer)
-    assert res["copies"] == res["linears"] - (2 * 4 if extra else 0)
+    # every linear and the output weight keep a copy; under 2:4 the FFN GEMMs keep their own (fc1, fc2 of each layer)
+    assert res["outputs"] == 1
+    assert res["copies"] == res["linears"] + 1 - (2 * 4 if extra else 0)
     assert res["losses"] == ref["losses"]  # the same bf16 operands: bitwise the same losses
     assert res["losses"][0] != res["losses"][-1]
 
@@ -99,3 +105,43 @@ def test_layers_add_weight_gradients_into_main_grad():
     for k in ("g1", "g2"):
         assert fused[k].dtype == torch.float32 and fused[k].abs().sum() > 0
         assert torch.equal(fused[k], ref[k])
+
+
+@pytest.mark.parametrize("impl", ["torch", "cce"])
+def test_loss_adds_the_output_weight_gradient_into_main_grad(impl):
+    """The output layer's fusion: given the fp32 master and its bf16 copy, the loss adds dC into the master's
+    ``main_grad`` itself (two micro-batches), the post-accumulate hook fires once per backward, padding rows stay
+    zero, and the sum equals autograd's through a per-use cast (bitwise on CPU, where the product is rounded to
+    bf16 before the add either way)."""
+    from megasparse.loss import LossConfig, vocab_parallel_loss
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(12, 16, generator=g).to(torch.bfloat16)
+    init = torch.randn(37, 16, generator=g) * 0.3
+    t = torch.randint(0, 35, (12,), generator=g)
+    t[3] = -100
+    cfg = LossConfig(impl=impl)
+
+    def run(fuse: bool):
+        w = torch.nn.Parameter(init.clone())
+        hooks: list[int] = []
+        w.register_post_accumulate_grad_hook(lambda p: hooks.append(1))
+        if fuse:
+            w.main_grad = torch.zeros_like(w)
+            w.grad = w.main_grad
+        for _ in range(2):
+            hh = h.clone().requires_grad_()
+            if fuse:
+                op = w.detach().to(torch.bfloat16)
+                loss = vocab_parallel_loss(hh, w, t, cfg, vocab_start=0, vocab_size=35, operand=op)
+            else:
+                loss = vocab_parallel_loss(hh, w.to(torch.bfloat16), t, cfg, vocab_start=0, vocab_size=35)
+            loss.sum().backward()
+        return w, hooks
+
+    w, hooks = run(True)
+    ref, ref_hooks = run(False)
+    assert w.grad.data_ptr() == w.main_grad.data_ptr() and w.grad.dtype == torch.float32
+    assert hooks == ref_hooks == [1, 1]
+    assert w.grad[:35].abs().sum() > 0 and not w.grad[35:].any()
+    assert torch.equal(w.grad, ref.grad)

@@ -116,6 +116,12 @@ def _run_gemm_cases() -> None:
             torch.testing.assert_close(d_e, r_e, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(d_c, r_c, rtol=1e-5, atol=1e-5)
         assert d_e[3].eq(0).all() and d_c[v:].eq(0).all()
+        # dC added into an fp32 bucket slice by the chunks' GEMMs: prior contents kept, padding rows untouched
+        prior = torch.randn(w.shape, generator=g)
+        bucket = prior.clone()
+        d_e_b, none = gemm_shard_backward(h, w, t, lse, gs, gt, v, sc, chunk=128, sub=48, dc_out=bucket)
+        assert none is None and torch.equal(d_e_b, d_e) and torch.equal(bucket[v:], prior[v:])
+        torch.testing.assert_close(bucket - prior, r_c, rtol=1e-5, atol=1e-5)
         d_e32, _ = gemm_shard_backward(h, w, t, lse, gs, gt, v, sc, accum_fp32=True, chunk=128)
         torch.testing.assert_close(d_e32, r_e, rtol=1e-5, atol=1e-5)
         # through the loss: ignore_index rows get loss 0 and zero dE, against fp64

@@ -47,6 +47,7 @@ def vocab_parallel_loss(
     sequence_parallel: bool = False,
     keep_idx: KeepSpec | KeepHolder | Tensor | None = None,
     ignore_index: int = -100,
+    operand: Tensor | None = None,
 ) -> Tensor:
     """Per-token loss [n] fp32 over all rows of the TP region; gradients flow to ``hidden`` and ``weight``.
 
@@ -54,6 +55,8 @@ def vocab_parallel_loss(
     ``weight`` is this rank's [V_local, h] shard starting at ``vocab_start``; rows past ``vocab_size``
     are padding and never count. Rows with ``ignore_index`` get loss 0 and no gradient; ``keep_idx``
     (a ``KeepSpec``, or what ``KeepSpec.of`` takes) names the rows that get one (all rows still get a loss).
+    ``operand``: ``weight``'s compute-dtype copy, made once per optimizer step (decision 0009); ``weight`` is then
+    the fp32 master and its gradient is added into its bucket slice by the loss's own dC GEMMs.
     """
     n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
     targets = targets.reshape(-1)
@@ -66,12 +69,13 @@ def vocab_parallel_loss(
 
         if keep.idx is not None:
             raise ValueError("loss.impl=mcore has a dense backward: keep_idx is not supported")
+        w = weight if operand is None else weight.to(operand.dtype)  # megatron's loss: autograd's weight gradient
         return mcore_vocab_parallel_loss(
-            hidden, weight, targets, n_valid=n_valid, group=tp_group, sequence_parallel=sequence_parallel,
+            hidden, w, targets, n_valid=n_valid, group=tp_group, sequence_parallel=sequence_parallel,
             ignore_index=ignore_index,
         )  # fmt: skip
     opt = loss_options(cfg, impl, hidden.dtype, n_valid, vocab_start, ignore_index, sequence_parallel)
-    return VocabParallelLoss.apply(hidden, weight, targets, keep, tp_group, opt)
+    return VocabParallelLoss.apply(hidden, weight, targets, keep, tp_group, opt, operand)
 
 
 def loss_options(

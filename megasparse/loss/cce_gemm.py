@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from megasparse.loss.cce_kernels import tl, triton
+from megasparse.ops.wgrad import accumulate_mm
 
 CHUNK_BYTES = 48 * 2**20
 """Bound on one chunk's scratch: S plus P, [rows, c] each (one buffer when S is in the input dtype)."""
@@ -192,19 +193,24 @@ def gemm_shard_backward(
     accum_fp32: bool = False,
     chunk: int | None = None,
     sub: int | None = None,
-) -> tuple[Tensor, Tensor]:
+    dc_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """(dE [n, D] in h.dtype, dC [V_local, D] in w.dtype) for dlogits = gs·softmax(S − lse) − gt·onehot(tgt).
 
     ``accum_fp32`` keeps the running dE in fp32 ([n, D] scratch) instead of rounding it to the input dtype after
-    every chunk. ``chunk``/``sub`` override the P and S widths (tests, sweeps)."""
+    every chunk. ``chunk``/``sub`` override the P and S widths (tests, sweeps). ``dc_out`` (fp32): each chunk's
+    dC GEMM adds into it (no compute-dtype dC, no cast, no separate add) and None is returned for dC."""
     n, d = h.shape
     h, w = h.contiguous(), w.contiguous()
-    d_c = torch.empty_like(w)
-    if n_valid < w.shape[0]:
-        d_c[n_valid:].zero_()  # TP padding rows never get a gradient
+    d_c = None
+    if dc_out is None:
+        d_c = torch.empty_like(w)
+        if n_valid < w.shape[0]:
+            d_c[n_valid:].zero_()  # TP padding rows never get a gradient
     acc_dtype = torch.float32 if accum_fp32 else h.dtype
     if n == 0 or n_valid == 0:
-        d_c.zero_()
+        if d_c is not None:
+            d_c.zero_()
         return torch.zeros(n, d, dtype=h.dtype, device=h.device), d_c
     d_e = torch.empty(n, d, dtype=acc_dtype, device=h.device)  # the first chunk writes it, the others add
     s_dt = _s_dtype(h)
@@ -229,7 +235,10 @@ def gemm_shard_backward(
                 HAS_SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=4,
             )  # fmt: skip
         wc = w[v0 : v0 + c]
-        torch.mm(p.t(), h, out=d_c[v0 : v0 + c])
+        if d_c is None:
+            accumulate_mm(dc_out[v0 : v0 + c], p.t(), h)
+        else:
+            torch.mm(p.t(), h, out=d_c[v0 : v0 + c])
         if v0 == 0:
             _mm_into(p, wc, d_e)
         elif acc_dtype == p.dtype:

@@ -212,13 +212,22 @@ def shard_backward(
     perm: Tensor | None = None,
     accum_fp32: bool = False,
     backend: str | None = None,
-) -> tuple[Tensor, Tensor]:
-    """(dE, dC) of this slice for dlogits = gs·softmax(logits − merged lse) − gt·onehot(tgt)."""
+    dc_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(dE, dC) of this slice for dlogits = gs·softmax(logits − merged lse) − gt·onehot(tgt).
+
+    ``dc_out`` (fp32, the weight's gradient bucket slice): dC is added into it instead of returned (None then);
+    the GEMM and materialised backends write it from their GEMMs directly (``ops/wgrad.py``)."""
     backend = backend or backend_for(h)
     if backend == "gemm":  # exact: its FLOPs are dense GEMMs, skipping entries would save nothing (decision 0203)
-        return gemm_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, accum_fp32)
-    if backend == "triton":
-        return triton_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, filter_eps, perm, accum_fp32)
+        return gemm_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, accum_fp32, dc_out=dc_out)
     if backend == "materialized":  # no filtering: the logits exist anyway, skipping entries saves nothing
-        return materialized_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap)
-    return torch_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, filter_eps, perm)
+        return materialized_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, dc_out)
+    if backend == "triton":
+        d_e, d_c = triton_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, filter_eps, perm, accum_fp32)
+    else:
+        d_e, d_c = torch_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, filter_eps, perm)
+    if dc_out is None:
+        return d_e, d_c
+    dc_out.add_(d_c)
+    return d_e, None

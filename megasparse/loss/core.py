@@ -104,12 +104,13 @@ def slice_stats(h: Tensor, w: Tensor, targets: Tensor, opt: LossOptions, merge: 
 
 
 def slice_grads(
-    h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, g: Tensor, opt: LossOptions
-) -> tuple[Tensor, Tensor, Tensor | None]:
+    h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, g: Tensor, opt: LossOptions, dc_out: Tensor | None = None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(dE of the rows that count, this slice's dC, those rows' indices into ``h`` or None for all).
 
     ``h``/``targets``/``lse``/``g`` are the rows that get a gradient; ignored ones among them get none (dropped,
-    or, in the materialised backend, kept with a zero gradient)."""
+    or, in the materialised backend, kept with a zero gradient). ``dc_out``: dC is added into this fp32 buffer
+    (the weight's gradient bucket slice) and returned as None."""
     backend = opt.backend_of(h)
     drop = opt.drops_ignored(backend)
     rows = valid_rows(targets, opt.ignore_index) if drop else None
@@ -121,6 +122,6 @@ def slice_grads(
     perm = vocab_order(h, w, opt.n_valid) if sort else None
     t = local_targets(targets, opt.vocab_start, opt.n_valid)
     d_e, d_c = shard_backward(
-        h, w, t, lse, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, backend
+        h, w, t, lse, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, backend, dc_out
     )
     return d_e, d_c, rows

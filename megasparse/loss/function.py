@@ -13,6 +13,7 @@ from torch import Tensor
 
 from megasparse.loss.core import KeepSpec, LossOptions, slice_grads, slice_stats, token_loss
 from megasparse.loss.rows import rows_or_all, rows_to_all
+from megasparse.ops.wgrad import grad_buffer
 from megasparse.parallel import comm, vocab
 
 
@@ -36,7 +37,20 @@ class VocabParallelLoss(torch.autograd.Function):
     """Per-token loss lse − target logit + z·lse² over a TP-sharded vocabulary; the maths is ``opt.backend``'s."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, keep: KeepSpec, group, opt: LossOptions):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        keep: KeepSpec,
+        group,
+        opt: LossOptions,
+        operand: Tensor | None = None,
+    ):
+        """``operand``: ``weight``'s compute-dtype copy (the model's ``ComputeCopy``); the forward reads it and the
+        weight gradient goes to ``weight`` (the fp32 master), into its bucket slice when it has one."""
+        master = weight if operand is not None else None
+        weight = weight if operand is None else operand
         h_shape = hidden.shape  # [s, b, h] from the model, [n, h] from direct callers
         hidden = hidden.reshape(-1, h_shape[-1])
         check_rows(hidden, targets, group, opt.sequence_parallel)
@@ -45,7 +59,7 @@ class VocabParallelLoss(torch.autograd.Function):
         loss = token_loss(lse, tgt, opt.z_loss)
         loss = torch.where(targets != opt.ignore_index, loss, torch.zeros_like(loss))
         ctx.save_for_backward(h_full, weight, targets, lse, keep.idx)
-        ctx.keep, ctx.group, ctx.opt, ctx.h_shape = keep, group, opt, h_shape
+        ctx.keep, ctx.group, ctx.opt, ctx.h_shape, ctx.master = keep, group, opt, h_shape, master
         return loss
 
     @staticmethod
@@ -57,12 +71,16 @@ class VocabParallelLoss(torch.autograd.Function):
         keep = meta.idx if meta is not None else (_sorted_rows(keep_idx, n) if keep_idx is not None else None)
         sel = (h_full, targets, lse, grad.float())
         h_k, t_k, lse_k, g_k = (rows_or_all(t, keep) for t in sel)
-        d_e, d_c, sub = slice_grads(h_k, weight, t_k, lse_k, g_k, opt)
+        master = ctx.master
+        bucket = grad_buffer(master)  # dC straight into the master's fp32 bucket slice (ops/wgrad.py)
+        d_e, d_c, sub = slice_grads(h_k, weight, t_k, lse_k, g_k, opt, dc_out=bucket)
+        if master is not None and d_c is not None:
+            d_c = d_c.to(master.dtype)
         if meta is not None:
             d_e = rows_to_all(d_e, sub, keep.numel())  # kept rows with an ignored target: zero rows
             d_h = vocab.compact_kept_grad(d_e, meta, ctx.group, opt.sequence_parallel, ctx.h_shape)
-            return d_h, d_c, None, None, None, None
+            return d_h, d_c, None, None, None, None, None
         rows = keep if sub is None else (sub if keep is None else keep.index_select(0, sub))
         with comm.phase("backward"):
             d_h = vocab.reduce_kept_grad(d_e, rows, n, ctx.group, opt.sequence_parallel)
-        return d_h.view(ctx.h_shape), d_c, None, None, None, None
+        return d_h.view(ctx.h_shape), d_c, None, None, None, None, None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megasparse.ops.wgrad import accumulate_mm
+
 
 def _logits(x: Tensor, w: Tensor, n_valid: int, softcap: float | None) -> tuple[Tensor, Tensor | None]:
     """fp32 logits [rows, V_local] (padding at -inf) and, with softcap, tanh(raw / softcap) for the backward."""
@@ -37,13 +39,25 @@ def materialized_shard_forward(
 
 
 def materialized_shard_backward(
-    h: Tensor, w: Tensor, tgt: Tensor, lse: Tensor, gs: Tensor, gt: Tensor, n_valid: int, softcap: float | None = None
-) -> tuple[Tensor, Tensor]:
-    """(dE [n, D], dC [V_local, D]) in w.dtype for dlogits = gs·softmax(logits − lse) − gt·onehot(tgt)."""
+    h: Tensor,
+    w: Tensor,
+    tgt: Tensor,
+    lse: Tensor,
+    gs: Tensor,
+    gt: Tensor,
+    n_valid: int,
+    softcap: float | None = None,
+    dc_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(dE [n, D], dC [V_local, D]) in w.dtype for dlogits = gs·softmax(logits − lse) − gt·onehot(tgt); with
+    ``dc_out`` (fp32) dC is added into it by the GEMM itself and None is returned in its place."""
     logits, tanh = _logits(h, w, n_valid, softcap)
     d = torch.exp(logits - lse[:, None]) * gs[:, None]
     d.scatter_add_(1, tgt.clamp(min=0)[:, None], -(gt * (tgt >= 0))[:, None])  # one-hot, no boolean indexing
     if tanh is not None:
         d *= 1 - tanh * tanh
     d = d.to(w.dtype)
-    return d @ w, d.t() @ h
+    if dc_out is None:
+        return d @ w, d.t() @ h
+    accumulate_mm(dc_out, d.t(), h)
+    return d @ w, None

@@ -34,6 +34,7 @@ from megasparse.loss.config import LossConfig, filter_threshold, resolve_impl
 from megasparse.loss.core import KeepSpec, LossOptions, slice_grads, slice_stats, token_loss
 from megasparse.loss.rows import rows_to_all
 from megasparse.ops.compact import CompactGrad
+from megasparse.ops.wgrad import grad_buffer
 from megasparse.parallel import comm, rows, state
 from megasparse.parallel.embedding_pp import stage_rows
 from megasparse.parallel.vocab_pp_comm import broadcast_from_last, gather_tp_rows, merge_slice_stats, sum_slice_dgrad
@@ -103,22 +104,29 @@ class _Slice:
         FLOPS.forward += 2 * n_rows * self.opt.n_valid * h.shape[1]
         return lse, tgt
 
-    def backward(self, h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-        """(dE summed over every slice [n, h], this slice's dC) for per-token loss gradient ``g``."""
-        d_e, d_c, sub = slice_grads(h, w, targets, lse, g, self.opt)
+    def backward(
+        self, h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, g: Tensor, dc_out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """(dE summed over every slice [n, h], this slice's dC) for per-token loss gradient ``g``; with ``dc_out``
+        (the weight's fp32 bucket slice) dC is added there and returned as None."""
+        d_e, d_c, sub = slice_grads(h, w, targets, lse, g, self.opt, dc_out)
         FLOPS.backward += 4 * d_e.shape[0] * self.opt.n_valid * h.shape[1]
         sum_slice_dgrad(d_e)
         return rows_to_all(d_e, sub, h.shape[0]), d_c
 
 
-def _kept_backward(sl: _Slice, h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, idx: Tensor, g: Tensor):
+def _kept_backward(
+    sl: _Slice, h: Tensor, w: Tensor, targets: Tensor, lse: Tensor, idx: Tensor, g: Tensor, dc_out: Tensor | None
+):
     """Collider: every slice's backward on the kept rows only; the dE all-reduce carries [k, h]."""
-    return sl.backward(h.index_select(0, idx), w, targets.index_select(0, idx), lse.index_select(0, idx), g)
+    return sl.backward(h.index_select(0, idx), w, targets.index_select(0, idx), lse.index_select(0, idx), g, dc_out)
 
 
 class _LastStageLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, sl: _Slice, sp: bool, keep: KeepSpec):
+    def forward(ctx, hidden: Tensor, master: Tensor, operand: Tensor, targets: Tensor, sl: _Slice, sp: bool, keep):
+        """Reads ``operand`` (the compute-dtype weight); dC goes to ``master``, into its bucket slice if it has one."""
+        weight = operand
         h_shape = hidden.shape
         h = hidden.reshape(-1, h_shape[-1]).to(sl.dtype)
         if sp:
@@ -132,7 +140,7 @@ class _LastStageLoss(torch.autograd.Function):
         valid = targets != sl.opt.ignore_index
         loss = torch.where(valid, token_loss(lse, tgt, sl.opt.z_loss), torch.zeros_like(lse))
         ctx.save_for_backward(h, weight, targets, lse, valid)
-        ctx.sl, ctx.sp, ctx.h_shape, ctx.keep = sl, sp, h_shape, keep
+        ctx.sl, ctx.sp, ctx.h_shape, ctx.keep, ctx.master = sl, sp, h_shape, keep, master
         return loss
 
     @staticmethod
@@ -141,23 +149,29 @@ class _LastStageLoss(torch.autograd.Function):
         g = torch.where(valid, grad.float(), torch.zeros_like(lse)).contiguous()
         meta = ctx.keep.meta
         lay = state.layout()
+        bucket = grad_buffer(ctx.master)
         with comm.phase("backward"):
             if meta is not None:  # collider: kept rows only, their indices travel with the gradient
                 idx = meta.idx.contiguous()
                 broadcast_from_last(idx)
                 g = g.index_select(0, idx)
                 broadcast_from_last(g)
-                d_rows, d_c = _kept_backward(ctx.sl, h, weight, targets, lse, idx, g)
+                d_rows, d_c = _kept_backward(ctx.sl, h, weight, targets, lse, idx, g, bucket)
                 if ctx.sp:
                     local, counts = rows.sp_split(meta, lay.tp, lay.tp_rank)
                     start = sum(counts[: lay.tp_rank])
                     d_rows, meta = d_rows[start : start + counts[lay.tp_rank]], local
-                return CompactGrad(d_rows, meta, ctx.h_shape), d_c, None, None, None, None
+                return CompactGrad(d_rows, meta, ctx.h_shape), _to(d_c, ctx.master), None, None, None, None, None
             broadcast_from_last(g)
-            d_e, d_c = ctx.sl.backward(h, weight, targets, lse, g)
+            d_e, d_c = ctx.sl.backward(h, weight, targets, lse, g, bucket)
         if ctx.sp:
             d_e = d_e.chunk(lay.tp)[lay.tp_rank]
-        return d_e.reshape(ctx.h_shape), d_c, None, None, None, None
+        return d_e.reshape(ctx.h_shape), _to(d_c, ctx.master), None, None, None, None, None
+
+
+def _to(d_c: Tensor | None, master: Tensor) -> Tensor | None:
+    """dC for autograd in the master's dtype (None: already added into its bucket slice)."""
+    return None if d_c is None else d_c.to(master.dtype)
 
 
 def vocab_pp_loss(
@@ -171,15 +185,18 @@ def vocab_pp_loss(
     sequence_parallel: bool = False,
     ignore_index: int = -100,
     keep=None,
+    operand: Tensor | None = None,
 ) -> Tensor:
     """Last stage: per-token loss [n] fp32 with the vocabulary spread over every (pp, tp) rank.
 
-    ``hidden`` is [s(/tp), b, h] (sequence shard under SP); ``weight`` is this rank's slice in the
-    compute dtype. Every other pipeline rank must run ``VocabPPPeer.step`` for the same micro-batch.
+    ``hidden`` is [s(/tp), b, h] (sequence shard under SP); ``weight`` is this rank's slice (the fp32 master: dC
+    is added into its bucket slice when it has one), read as ``operand`` (its compute-dtype cast when not given).
+    Every other pipeline rank must run ``VocabPPPeer.step`` for the same micro-batch.
     ``keep``: a KeepHolder (or ``KeepSpec``) whose ``meta`` selection fills before backward (compact backward).
     """
-    sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], weight.dtype, ignore_index, targets.numel())
-    return _LastStageLoss.apply(hidden, weight, targets, sl, sequence_parallel, KeepSpec.of(keep))
+    operand = weight if operand is None else operand
+    sl = _Slice(cfg, vocab_start, vocab_size, weight.shape[0], operand.dtype, ignore_index, targets.numel())
+    return _LastStageLoss.apply(hidden, weight, operand.detach(), targets, sl, sequence_parallel, KeepSpec.of(keep))
 
 
 class VocabPPPeer:
@@ -214,17 +231,20 @@ class VocabPPPeer:
             lse, _ = self.sl.forward(h, w, targets)
         if not train:
             return
+        bucket = grad_buffer(self.weight)
         with comm.phase("backward"):
             if self.kept_rows is not None:
                 idx = torch.empty(self.kept_rows, dtype=torch.long, device=w.device)
                 broadcast_from_last(idx)
                 g = torch.empty(self.kept_rows, dtype=lse.dtype, device=w.device)
                 broadcast_from_last(g)
-                _, d_c = _kept_backward(self.sl, h, w, targets, lse, idx, g)
+                _, d_c = _kept_backward(self.sl, h, w, targets, lse, idx, g, bucket)
             else:
                 g = torch.empty_like(lse)
                 broadcast_from_last(g)
-                _, d_c = self.sl.backward(h, w, targets, lse, g)
+                _, d_c = self.sl.backward(h, w, targets, lse, g, bucket)
+        if d_c is None:  # added into the bucket slice by the dC GEMMs (ops/wgrad.py)
+            return
         # this runs while stage 0 holds its most in-flight activations (lock step): free the compute-dtype
         # weight copy first and add in place, so no [V_slice, h] fp32 temporary joins the peak
         del w, h

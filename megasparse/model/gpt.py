@@ -25,6 +25,7 @@ from megasparse.parallel import state
 from megasparse.parallel.embedding_pp import PPEmbedding
 from megasparse.parallel.layers import (
     ColumnParallelLinear,
+    ComputeCopy,
     RowParallelLinear,
     VocabParallelEmbedding,
     padded_vocab_init,
@@ -163,6 +164,8 @@ class GPTStage(nn.Module):
             self.output_weight.tp_spec = (0, [vocab_padded // (lay.pp if self.vocab_pp else 1)])
             self.output_weight.pp_vocab = self.vocab_pp
             self.output_weight.vocab_rows = (self.vocab_start, vocab_size)  # global rows (parallel/shards.py)
+            if not self.vocab_pp:  # its compute-dtype copy, once per optimizer step (layers.ComputeCopies)
+                self.output_copy: ComputeCopy | None = None
         cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -183,17 +186,20 @@ class GPTStage(nn.Module):
         if self.vocab_pp:
             return vocab_pp_loss(
                 x,
-                self.output_weight.to(self.compute_dtype),
+                self.output_weight,
                 targets,
                 self.loss_cfg,
                 vocab_start=self.vocab_start,
                 vocab_size=self.vocab_size,
                 sequence_parallel=self.sp,
                 keep=keep,
+                operand=self.output_weight.detach().to(self.compute_dtype),  # cast per use: memory (decision 0800)
             )
+        copy = self.output_copy
+        operand = copy.get() if copy is not None else self.output_weight.detach().to(self.compute_dtype)
         return vocab_parallel_loss(
             x,
-            self.output_weight.to(self.compute_dtype),
+            self.output_weight,  # the fp32 master: the loss adds dC into its bucket slice (ops/wgrad.py)
             targets,
             self.loss_cfg,
             vocab_start=self.vocab_start,
@@ -201,6 +207,7 @@ class GPTStage(nn.Module):
             tp_group=state.tp_group(),
             sequence_parallel=self.sp,
             keep_idx=keep,
+            operand=operand,
         )
 
     def ffn_linears(self, layers: set[int] | None = None) -> dict[str, nn.Module]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megasparse.ops.compact import CompactGrad, rows_of
+from megasparse.ops.wgrad import accumulate_mm, grad_buffer
 from megasparse.parallel import comm, rows, state
 
 
@@ -40,39 +41,16 @@ class DenseGemm:
 
 
 DENSE = DenseGemm()
-_FUSED_ADDMM: list[bool] = []  # whether torch.addmm(out_dtype=) accumulates in place here (probed once)
-
-
-def accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out += a·b with fp32 ``out`` and bf16 ``a``, ``b``: one GEMM with fp32 output and beta = 1 on CUDA (no
-    compute-dtype product, no cast, no separate add), an in-place addmm when the dtypes agree."""
-    if a.dtype == out.dtype:
-        out.addmm_(a, b)
-        return
-    if a.is_cuda and _FUSED_ADDMM != [False]:
-        try:
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-            _FUSED_ADDMM[:] = [True]
-            return
-        except (TypeError, RuntimeError):  # torch without addmm(out_dtype=): the separate add below
-            _FUSED_ADDMM[:] = [False]
-    out.add_(a @ b)
 
 
 def weight_grad(weight: torch.Tensor, gemm, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor | None:
-    """A linear layer's weight gradient, added straight into its fp32 bucket slice (``main_grad``, ddp.py) when it
-    has one: Megatron's gradient-accumulation fusion (decision 0009). None then goes back to autograd, whose
-    post-accumulate hook (the bucket's arrival count) still fires. Otherwise (no buckets, ``.grad`` detached from
-    the bucket, a gemm that cannot) the gradient is returned for autograd to accumulate."""
-    main = getattr(weight, "main_grad", None)
-    if main is not None and (weight.dtype != torch.float32 or _is_view_of(weight.grad, main)):
-        if gemm.wgrad_into(g2d, x2d, main):
-            return None
+    """A linear layer's weight gradient, added straight into its fp32 bucket slice when it has one (``ops/wgrad.py``,
+    decision 0009; None goes back to autograd). Otherwise (no buckets, ``.grad`` detached from the bucket, a gemm
+    that cannot) the gradient is returned for autograd to accumulate."""
+    main = grad_buffer(weight)
+    if main is not None and gemm.wgrad_into(g2d, x2d, main):
+        return None
     return gemm.wgrad(g2d, x2d).to(weight.dtype)
-
-
-def _is_view_of(grad: torch.Tensor | None, main: torch.Tensor) -> bool:
-    return grad is not None and grad.data_ptr() == main.data_ptr()
 
 
 class ComputeCopy:
@@ -92,8 +70,9 @@ class ComputeCopy:
 
 
 class ComputeCopies:
-    """bf16 copies of the linear layers' fp32 master weights, made once per optimizer step instead of once per
-    micro-batch and layer (decision 0009): ``refresh`` after every optimizer step and checkpoint load.
+    """bf16 copies of the linear layers' fp32 master weights (and of the output weight, for a module with an
+    ``output_copy`` slot), made once per optimizer step instead of once per micro-batch and layer (decision 0009):
+    ``refresh`` after every optimizer step and checkpoint load.
 
     A fused optimizer writes the masters without moving their version counters, so ``refresh`` is the contract;
     ``ComputeCopy.get``'s version check covers every other in-place write (a load, a test)."""
@@ -108,6 +87,9 @@ class ComputeCopies:
             ):
                 m.copy = ComputeCopy(m.weight, m.compute_dtype)
                 self.copies.append(m.copy)
+            elif hasattr(m, "output_copy") and m.output_weight.dtype != m.compute_dtype:  # the output layer's slot
+                m.output_copy = ComputeCopy(m.output_weight, m.compute_dtype)
+                self.copies.append(m.output_copy)
 
     def refresh(self) -> None:
         if self.copies:

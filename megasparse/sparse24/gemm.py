@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megasparse.parallel.layers import accumulate_mm
+from megasparse.ops.wgrad import accumulate_mm
 from megasparse.sparse24.linear import Sparse24Weight, sparse24_backward, sparse24_forward
 from megasparse.sparse24.recipe import SparsityManager
 
