@@ -73,36 +73,38 @@ def _layer_grads(fuse: bool) -> dict:
     """Two backward passes through a column- and a row-parallel layer, the weight gradients summed by autograd
     (no ``main_grad``) or added by the layers into fp32 bucket slices (``main_grad``, as the trainer's buckets do)."""
     from megasparse.parallel import state
-    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     state.init(1, 1, False, "gloo")
     kw = dict(init_std=0.1, seed=3, device="cpu", compute_dtype=torch.bfloat16)
+    emb = VocabParallelEmbedding(40, 16, name="emb", vocab_size=37, **kw)
     fc1 = ColumnParallelLinear(16, [24, 8], name="fc1", **kw)
     fc2 = RowParallelLinear(32, 16, name="fc2", **kw)
     hooks = []
-    for lin in (fc1, fc2):
+    layers = (emb, fc1, fc2)
+    for lin in layers:
         if fuse:
             lin.weight.main_grad = torch.zeros_like(lin.weight)
             lin.weight.grad = lin.weight.main_grad
         lin.weight.register_post_accumulate_grad_hook(lambda p: hooks.append(tuple(p.shape)))
-    gen = torch.Generator().manual_seed(0)
     for _ in range(2):
-        x = torch.randn(5, 2, 16, generator=gen).to(torch.bfloat16)
-        fc2(fc1(x)).float().square().sum().backward()
-    in_main = all(lin.weight.grad.data_ptr() == lin.weight.main_grad.data_ptr() for lin in (fc1, fc2) if fuse)
-    return {"g1": fc1.weight.grad.clone(), "g2": fc2.weight.grad.clone(), "hooks": hooks, "in_main": in_main}
+        ids = torch.arange(10).reshape(5, 2) * 3 % 37  # no id twice: the embedding's sums are exact either way
+        fc2(fc1(emb(ids))).float().square().sum().backward()
+    in_main = all(lin.weight.grad.data_ptr() == lin.weight.main_grad.data_ptr() for lin in layers if fuse)
+    grads = {"g0": emb.weight.grad.clone(), "g1": fc1.weight.grad.clone(), "g2": fc2.weight.grad.clone()}
+    return {**grads, "hooks": hooks, "in_main": in_main}
 
 
 def test_layers_add_weight_gradients_into_main_grad():
-    """The gradient-accumulation fusion: the layers add their weight gradients into ``main_grad`` themselves and
-    the buckets' post-accumulate hooks still fire once per backward. On CPU the product is still rounded to bf16
-    before the add (no fp32-output GEMM), so the sums equal autograd's bitwise; on CUDA one GEMM adds the fp32
-    product (test_gpu_ops.py)."""
+    """The gradient-accumulation fusion: the layers (and the embedding) add their weight gradients into ``main_grad``
+    themselves and the buckets' post-accumulate hooks still fire once per backward. On CPU the product is still
+    rounded to bf16 before the add (no fp32-output GEMM), so the sums equal autograd's bitwise; on CUDA one GEMM adds
+    the fp32 product (test_gpu_ops.py)."""
     fused = run_distributed(_layer_grads, 1, True)[0]
     ref = run_distributed(_layer_grads, 1, False)[0]
-    assert fused["hooks"] == ref["hooks"] and len(fused["hooks"]) == 4
+    assert fused["hooks"] == ref["hooks"] and len(fused["hooks"]) == 6
     assert fused["in_main"]
-    for k in ("g1", "g2"):
+    for k in ("g0", "g1", "g2"):
         assert fused[k].dtype == torch.float32 and fused[k].abs().sum() > 0
         assert torch.equal(fused[k], ref[k])
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from megasparse.ops.compact import CompactGrad
+from megasparse.ops.wgrad import grad_buffer
 from megasparse.parallel import comm, state
 from megasparse.parallel.layers import padded_vocab_init, vocab_slice_grad, vocab_slice_lookup
 
@@ -106,6 +107,11 @@ class PPEmbedding(nn.Module):
                     mine[i].copy_(gi)
         with comm.phase("backward"):
             comm.all_reduce(g, state.mp_group(), "mp", region="embedding.vocab_pp")
+        bucket = grad_buffer(self.weight)
+        if bucket is not None:  # into the fp32 bucket slice (ops/wgrad.py): no temporary, no bf16 rounding
+            vocab_slice_grad(self.weight.shape, local, valid, g.reshape(-1, h), bucket)
+            self._local = None
+            return
         dw = vocab_slice_grad(self.weight.shape, local, valid, g.reshape(-1, h)).to(self.weight.dtype)
         if self.weight.grad is None:
             self.weight.grad = dw

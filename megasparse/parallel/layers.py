@@ -207,10 +207,13 @@ def vocab_slice_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, dtyp
     return weight[local].to(dtype) * valid.unsqueeze(-1).to(dtype), local, valid  # gather, then cast the rows
 
 
-def vocab_slice_grad(shape, local: torch.Tensor, valid: torch.Tensor, g2d: torch.Tensor) -> torch.Tensor:
+def vocab_slice_grad(
+    shape, local: torch.Tensor, valid: torch.Tensor, g2d: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 weight gradient of a vocabulary slice: rows of ``g2d`` scatter-added at ``local`` where ``valid``
-    (masked, not boolean-indexed: no host sync)."""
-    dw = torch.zeros(shape, dtype=torch.float32, device=g2d.device)
+    (masked, not boolean-indexed: no host sync). ``out`` (the weight's fp32 bucket slice, ``ops/wgrad.py``): added
+    there instead of into a fresh weight-sized buffer, which is then returned."""
+    dw = torch.zeros(shape, dtype=torch.float32, device=g2d.device) if out is None else out
     if shape[0]:
         dw.index_add_(0, local.reshape(-1), g2d.float() * valid.reshape(-1, 1))
     return dw
@@ -228,26 +231,27 @@ class VocabEmbeddingFn(torch.autograd.Function):
         else:
             comm.all_reduce(out, group, "tp", region="embedding.out")
         ctx.save_for_backward(local, valid)
-        ctx.cfg = (sp, weight.shape, weight.dtype)
+        ctx.cfg = (sp, weight.shape, weight.dtype, weight)
         return out
 
     @staticmethod
     def backward(ctx, g):
         local, valid = ctx.saved_tensors
-        sp, wshape, wdtype = ctx.cfg
+        sp, wshape, wdtype, weight = ctx.cfg
         lay = state.layout()
         group = state.tp_group()
+        bucket = grad_buffer(weight)  # rows added straight into the fp32 bucket slice: no weight-sized temporary
         if isinstance(g, CompactGrad):
             gr, meta = g.rows, g.meta
             if sp:
                 gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, "embedding.sp_gather")
             ids, ok = local.reshape(-1).index_select(0, meta.idx), valid.reshape(-1).index_select(0, meta.idx)
-            dw = vocab_slice_grad(wshape, ids, ok, gr)
+            dw = vocab_slice_grad(wshape, ids, ok, gr, bucket)
         else:
             if sp:
                 g = comm.all_gather(g, group, "tp", dim=0, region="embedding.sp_gather")
-            dw = vocab_slice_grad(wshape, local, valid, _flat(g))
-        return None, dw.to(wdtype), None, None, None
+            dw = vocab_slice_grad(wshape, local, valid, _flat(g), bucket)
+        return None, None if bucket is not None else dw.to(wdtype), None, None, None
 
 
 class _ParallelBase(nn.Module):
