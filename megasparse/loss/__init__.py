@@ -16,9 +16,10 @@ from functools import cache
 from torch import Tensor
 
 from megasparse.loss.cce_launch import KernelConfig, shard_backward, shard_forward, vocab_order
-from megasparse.loss.config import LossConfig, filter_threshold, resolve_impl
-from megasparse.loss.core import KeepSpec, LossOptions
+from megasparse.loss.config import LossConfig, resolve_impl
+from megasparse.loss.core import KeepSpec, LossOptions, loss_options
 from megasparse.loss.function import VocabParallelLoss
+from megasparse.loss.speed import timed_choice
 from megasparse.ops.compact import KeepHolder
 
 __all__ = [
@@ -62,6 +63,10 @@ def vocab_parallel_loss(
     targets = targets.reshape(-1)
     keep = KeepSpec.of(keep_idx)
     impl, reason = resolve_impl(cfg, targets.numel(), weight.shape[0])
+    if cfg.impl == "auto" and impl == "torch" and cfg.speed_check and hidden.is_cuda:
+        dt = hidden.dtype
+        rows, width, d = targets.numel(), weight.shape[0], hidden.shape[-1]
+        impl, reason = timed_choice(cfg, rows, width, d, dt, hidden.device, n_valid, tp_group, (impl, reason))
     if cfg.impl == "auto":
         _log_choice(reason)
     if impl == "mcore":  # dense backward: a KeepHolder is ignored (config validation rejects collider)
@@ -76,19 +81,3 @@ def vocab_parallel_loss(
         )  # fmt: skip
     opt = loss_options(cfg, impl, hidden.dtype, n_valid, vocab_start, ignore_index, sequence_parallel)
     return VocabParallelLoss.apply(hidden, weight, targets, keep, tp_group, opt, operand)
-
-
-def loss_options(
-    cfg: LossConfig, impl: str, dtype, n_valid: int, vocab_start: int, ignore_index: int, sequence_parallel: bool
-) -> LossOptions:
-    """LossOptions of a resolved impl (cce or torch): backend, filter threshold for ``dtype``, shard geometry."""
-    if impl == "torch":
-        return LossOptions(
-            n_valid=n_valid, vocab_start=vocab_start, softcap=cfg.softcap, z_loss=cfg.z_loss, filter_eps=None,
-            ignore_index=ignore_index, sequence_parallel=sequence_parallel, backend="materialized",
-        )  # fmt: skip
-    return LossOptions(
-        n_valid=n_valid, vocab_start=vocab_start, softcap=cfg.softcap, z_loss=cfg.z_loss,
-        filter_eps=filter_threshold(cfg.filter_eps, dtype), sort_vocab=cfg.sort_vocab, accum_fp32=cfg.grad_accum_fp32,
-        ignore_index=ignore_index, sequence_parallel=sequence_parallel, backend=cfg.backend,
-    )  # fmt: skip

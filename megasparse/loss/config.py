@@ -17,14 +17,18 @@ class LossConfig:
     """Output layer + cross-entropy. ``cce`` never materialises [tokens, vocab] logits."""
 
     impl: Literal["auto", "cce", "torch", "mcore"] = "auto"
-    """auto (the default: cce where the materialised logits would exceed ``materialize_budget_gib``, torch
-    otherwise; resolved once per run by ``resolve_impl``), cce (Triton Cut Cross-Entropy; torch chunked reference
-    on CPU), torch (materialised logits, megatron-style vocab-parallel cross-entropy with compact filtered
-    backward), mcore (megatron-core's own vocab_parallel_cross_entropy, unmodified: the baseline; dense
-    backward, no softcap/z-loss)."""
+    """auto (the default): cce where the materialised logits would exceed ``materialize_budget_gib`` or, on CUDA,
+    where it is timed as fast (``speed_check``), torch otherwise; resolved once per run and shape. cce: Triton Cut
+    Cross-Entropy (torch chunked reference on CPU). torch: materialised logits, megatron-style vocab-parallel
+    cross-entropy with compact filtered backward. mcore: megatron-core's own vocab_parallel_cross_entropy,
+    unmodified (the baseline; dense backward, no softcap/z-loss)."""
     materialize_budget_gib: float = 4.0
     """impl=auto: the most memory the materialised loss may spend on its fp32 logits (rows × local vocabulary ×
     4 bytes, per micro-batch, per rank) before auto picks cce, which never forms them."""
+    speed_check: bool = True
+    """impl=auto on CUDA, logits within the budget: time both losses once per shape (this rank's shard, forward and
+    backward, synthetic data) at the first call and run cce where it is as fast (``loss/speed.py``; the choice and
+    both times are logged once). False: the memory rule alone picks. The vocab-over-PP slices use the rule."""
     filter_eps: float | Literal["auto"] | None = "auto"
     """Skip softmax-gradient blocks whose entries are all below this (the cce tile kernels, ``backend=triton``, and the
     CPU reference; the default GEMM backend is exact, decision 0203); None is the exact mode. auto

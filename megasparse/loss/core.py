@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from megasparse.loss.cce_launch import backend_for, shard_backward, shard_forward, vocab_order
+from megasparse.loss.config import LossConfig, filter_threshold
 from megasparse.loss.rows import local_targets, rows_or_all, rows_to_all, valid_rows
 from megasparse.ops.compact import KeepHolder
 
@@ -125,3 +126,19 @@ def slice_grads(
         h, w, t, lse, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, backend, dc_out
     )
     return d_e, d_c, rows
+
+
+def loss_options(
+    cfg: LossConfig, impl: str, dtype, n_valid: int, vocab_start: int, ignore_index: int, sequence_parallel: bool
+) -> LossOptions:
+    """LossOptions of a resolved impl (cce or torch): backend, filter threshold for ``dtype``, shard geometry."""
+    if impl == "torch":
+        return LossOptions(
+            n_valid=n_valid, vocab_start=vocab_start, softcap=cfg.softcap, z_loss=cfg.z_loss, filter_eps=None,
+            ignore_index=ignore_index, sequence_parallel=sequence_parallel, backend="materialized",
+        )  # fmt: skip
+    return LossOptions(
+        n_valid=n_valid, vocab_start=vocab_start, softcap=cfg.softcap, z_loss=cfg.z_loss,
+        filter_eps=filter_threshold(cfg.filter_eps, dtype), sort_vocab=cfg.sort_vocab, accum_fp32=cfg.grad_accum_fp32,
+        ignore_index=ignore_index, sequence_parallel=sequence_parallel, backend=cfg.backend,
+    )  # fmt: skip

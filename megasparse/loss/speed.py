@@ -1,0 +1,96 @@
+"""``loss.impl=auto``'s speed check: CCE where it is as fast as the materialised loss (issue 12).
+
+Which loss is faster depends on the shape and the GPU. CCE recomputes the logits in its backward (2·N·V·D more FLOPs)
+but never passes over [N, V] fp32 logits. It won the TinyLlama step on one H100 (D 2048: 0.95–0.97× the step) and lost
+the Llama-3-8B kernel (D 4096: 1.10–1.19×), decision 0203. A fixed rule would be wrong on the next GPU, so auto times
+both, once per shape, when the materialised logits fit ``loss.materialize_budget_gib``.
+
+The check runs the loss maths of this rank's shard, forward and backward, on synthetic data of the real shape
+(rows, local vocabulary, hidden, dtype): one warm-up and ``REPEATS`` timed passes each, on the current stream. It
+needs no collective: the two losses share their merge and dE collectives. TP ranks then agree by taking each time's
+maximum over the TP group, so every shard runs the same loss. The choice is cached per shape and logged once with
+both times. A check that fails (out of memory, a kernel error) says why once and keeps the memory rule's choice.
+A step that is being captured into a CUDA graph never runs it (the trainer's eager warm-up passes do).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megasparse.loss.config import LossConfig
+from megasparse.loss.core import loss_options, slice_grads, slice_stats, token_loss
+from megasparse.parallel import comm
+
+log = logging.getLogger(__name__)
+
+REPEATS = 3
+_CHOICES: dict[tuple, tuple[str, str]] = {}
+
+
+def _no_merge(lse: Tensor, tgt: Tensor) -> tuple[Tensor, Tensor]:
+    return lse, tgt
+
+
+def time_loss(impl: str, cfg: LossConfig, rows: int, width: int, hidden: int, dtype, device, n_valid: int) -> float:
+    """Median seconds of one forward + backward of this shard's loss maths under ``impl`` (cce or torch)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
+    w = (torch.randn(width, hidden, generator=gen, device=device) * hidden**-0.5).to(dtype)
+    t = torch.randint(0, max(n_valid, 1), (rows,), generator=gen, device=device)
+    g = torch.full((rows,), 1.0 / rows, device=device)
+    opt = loss_options(cfg, impl, dtype, n_valid, 0, -100, False)
+
+    def once() -> None:
+        lse, tgt, _ = slice_stats(h, w, t, opt, _no_merge)
+        token_loss(lse, tgt, opt.z_loss)
+        slice_grads(h, w, t, lse, g, opt)
+
+    cuda = torch.device(device).type == "cuda"
+    once()
+    times = []
+    for _ in range(REPEATS):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            once()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def timed_choice(
+    cfg: LossConfig, rows: int, width: int, hidden: int, dtype, device, n_valid: int, group, fallback: tuple[str, str]
+) -> tuple[str, str]:
+    """(impl, why): cce when its measured time is at most the materialised loss's, torch otherwise; ``fallback``
+    (the memory rule's answer) when the check cannot run. Cached per shape: the first call decides for the run."""
+    key = (rows, width, hidden, dtype, str(device), n_valid, cfg.softcap, cfg.z_loss, cfg.backend)
+    if key in _CHOICES:
+        return _CHOICES[key]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return fallback  # not cached: the eager pass after the capture decides
+    try:
+        secs = [time_loss(impl, cfg, rows, width, hidden, dtype, device, n_valid) for impl in ("torch", "cce")]
+    except Exception as e:  # a speed check must never stop a run
+        choice = (fallback[0], f"{fallback[1]} (speed check failed: {type(e).__name__}: {str(e).splitlines()[0]})")
+        _CHOICES[key] = choice
+        return choice
+    if group is not None:  # None: a single-process caller (the trainer always passes its TP group)
+        both = torch.tensor(secs, dtype=torch.float64, device=device)
+        comm.all_reduce(both, group, "tp", op=dist.ReduceOp.MAX, region="loss.speed_check")
+        secs = both.tolist()
+    t_torch, t_cce = secs
+    impl = "cce" if t_cce <= t_torch else "torch"
+    sizes = f"{rows}x{width}, hidden {hidden}"
+    why = f"loss.impl=auto -> {impl}: timed at {sizes}: cce {t_cce * 1e3:.2f} ms, materialised {t_torch * 1e3:.2f} ms"
+    _CHOICES[key] = (impl, why)
+    return impl, why

@@ -1,0 +1,70 @@
+"""loss.impl=auto's speed check (loss/speed.py): the faster loss wins, TP ranks agree, a failed check keeps the
+memory rule, and the timed maths really runs (on CPU here; the GPU times with CUDA events, the same passes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+
+from megasparse.loss import LossConfig, speed
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    speed._CHOICES.clear()
+    yield
+    speed._CHOICES.clear()
+
+
+def _choose(monkeypatch, t_torch: float, t_cce: float, rows: int = 64):
+    monkeypatch.setattr(speed, "time_loss", lambda impl, *a: t_cce if impl == "cce" else t_torch)
+    return speed.timed_choice(LossConfig(), rows, 40, 16, torch.bfloat16, "cpu", 37, None, ("torch", "rule"))
+
+
+def test_the_faster_loss_is_chosen_once_per_shape(monkeypatch):
+    impl, why = _choose(monkeypatch, t_torch=2e-3, t_cce=1e-3)
+    assert impl == "cce" and "cce 1.00 ms, materialised 2.00 ms" in why
+    assert _choose(monkeypatch, t_torch=1e-3, t_cce=2e-3) == (impl, why)  # cached: the first call decides
+    assert _choose(monkeypatch, t_torch=1e-3, t_cce=2e-3, rows=32)[0] == "torch"  # another shape: timed again
+    assert _choose(monkeypatch, t_torch=1e-3, t_cce=1e-3, rows=16)[0] == "cce"  # a tie: as fast is enough
+
+
+def test_a_failed_check_keeps_the_memory_rule(monkeypatch):
+    def boom(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3 GiB")
+
+    monkeypatch.setattr(speed, "time_loss", boom)
+    impl, why = speed.timed_choice(LossConfig(), 64, 40, 16, torch.bfloat16, "cpu", 37, None, ("torch", "rule"))
+    assert impl == "torch" and why.startswith("rule (speed check failed: OutOfMemoryError: CUDA out of memory")
+
+
+@pytest.mark.parametrize("impl", ["torch", "cce"])
+def test_timed_passes_run_the_loss_maths(impl):
+    secs = speed.time_loss(impl, LossConfig(), 48, 40, 16, torch.float32, "cpu", 37)
+    assert 0 < secs < 5
+
+
+def _tp_choice(fast_rank: int) -> str:
+    """Rank ``fast_rank`` finds cce faster, the other finds it slower: the maxima over TP decide for both."""
+    from megasparse.parallel import state
+
+    state.init(2, 1, False, "gloo")
+    rank = torch.distributed.get_rank()
+    times = {"torch": 1.0, "cce": 0.5} if rank == fast_rank else {"torch": 1.0, "cce": 1.5}
+    speed.time_loss = lambda impl, *a: times[impl]
+    cfg = LossConfig()
+    return speed.timed_choice(cfg, 64, 40, 16, torch.bfloat16, "cpu", 37, state.tp_group(), ("torch", "rule"))[0]
+
+
+def test_tp_ranks_agree_on_the_loss():
+    assert run_distributed(_tp_choice, 2, 0) == ["torch", "torch"]  # cce slower on one shard: slower for the step
+
+
+def test_auto_on_cpu_needs_no_check():
+    """The check is for CUDA: on CPU auto keeps the memory rule and never times anything."""
+    from megasparse.loss import vocab_parallel_loss
+
+    h, w = torch.randn(8, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    vocab_parallel_loss(h, w, torch.randint(0, 37, (8,)), LossConfig(), vocab_start=0, vocab_size=37).sum().backward()
+    assert speed._CHOICES == {} and w.grad is not None
