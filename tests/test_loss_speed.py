@@ -61,6 +61,34 @@ def test_tp_ranks_agree_on_the_loss():
     assert run_distributed(_tp_choice, 2, 0) == ["torch", "torch"]  # cce slower on one shard: slower for the step
 
 
+def _one_rank_fails() -> tuple[str, str, float]:
+    """Rank 1's check runs out of memory, rank 0's finds cce faster: both keep the rule, and the TP group's next
+    collective still pairs up (a rank that skipped the agreement would meet the other's check there)."""
+    from megasparse.parallel import comm, state
+
+    state.init(2, 1, False, "gloo")
+    rank = torch.distributed.get_rank()
+
+    def timer(impl, *a):
+        if rank == 1:
+            raise torch.OutOfMemoryError("out of memory")
+        return {"torch": 1.0, "cce": 0.5}[impl]
+
+    speed.time_loss = timer
+    impl, why = speed.timed_choice(
+        LossConfig(), 64, 40, 16, torch.bfloat16, "cpu", 37, state.tp_group(), ("torch", "rule")
+    )
+    nxt = torch.ones(3)
+    comm.all_reduce(nxt, state.tp_group(), "tp")
+    return impl, why, float(nxt.sum())
+
+
+def test_a_check_failing_on_one_rank_falls_back_on_every_rank():
+    res = run_distributed(_one_rank_fails, 2)
+    assert [r[0] for r in res] == ["torch", "torch"] and all(r[2] == 6.0 for r in res)
+    assert "on another TP rank" in res[0][1] and "OutOfMemoryError" in res[1][1]
+
+
 def test_auto_on_cpu_needs_no_check():
     """The check is for CUDA: on CPU auto keeps the memory rule and never times anything."""
     from megasparse.loss import vocab_parallel_loss
@@ -68,3 +96,15 @@ def test_auto_on_cpu_needs_no_check():
     h, w = torch.randn(8, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
     vocab_parallel_loss(h, w, torch.randint(0, 37, (8,)), LossConfig(), vocab_start=0, vocab_size=37).sum().backward()
     assert speed._CHOICES == {} and w.grad is not None
+
+
+def test_no_check_without_autograd(monkeypatch):
+    """Evaluation and reference scoring (no autograd, varying row counts) keep the memory rule untimed."""
+    from megasparse.loss import vocab_parallel_loss
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # as if on a GPU: only no_grad stops it
+    monkeypatch.setattr(speed, "time_loss", lambda *a: pytest.fail("timed under no_grad"))
+    with torch.no_grad():
+        h, w = torch.randn(8, 16), torch.randn(40, 16)
+        vocab_parallel_loss(h, w, torch.randint(0, 37, (8,)), LossConfig(), vocab_start=0, vocab_size=37)
+    assert speed._CHOICES == {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from functools import cache
 
+import torch
 from torch import Tensor
 
 from megasparse.loss.cce_launch import KernelConfig, shard_backward, shard_forward, vocab_order
@@ -63,7 +64,7 @@ def vocab_parallel_loss(
     targets = targets.reshape(-1)
     keep = KeepSpec.of(keep_idx)
     impl, reason = resolve_impl(cfg, targets.numel(), weight.shape[0])
-    if cfg.impl == "auto" and impl == "torch" and cfg.speed_check and hidden.is_cuda:
+    if cfg.impl == "auto" and impl == "torch" and cfg.speed_check and hidden.is_cuda and torch.is_grad_enabled():
         dt = hidden.dtype
         rows, width, d = targets.numel(), weight.shape[0], hidden.shape[-1]
         impl, reason = timed_choice(cfg, rows, width, d, dt, hidden.device, n_valid, tp_group, (impl, reason))

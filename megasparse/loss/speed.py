@@ -9,13 +9,20 @@ The check runs the loss maths of this rank's shard, forward and backward, on syn
 (rows, local vocabulary, hidden, dtype): one warm-up and ``REPEATS`` timed passes each, on the current stream. It
 needs no collective: the two losses share their merge and dE collectives. TP ranks then agree by taking each time's
 maximum over the TP group, so every shard runs the same loss. The choice is cached per shape and logged once with
-both times. A check that fails (out of memory, a kernel error) says why once and keeps the memory rule's choice.
-A step that is being captured into a CUDA graph never runs it (the trainer's eager warm-up passes do).
+both times. A check that fails (out of memory, a kernel error) says why once and keeps the memory rule's choice on
+every TP rank. A step being captured into a CUDA graph never runs it (the trainer's eager warm-up passes do), nor
+does a forward without autograd (evaluation, reference scoring: their row counts vary).
+
+What it costs: a few host synchronisations (one per timed pass) and a few passes of the loss, once per run and shape.
+What it does not give: a pinned choice. Timings are noisy, so two runs (or a resumed run, which times again) may
+pick differently near a tie, and DP replicas decide per TP group. Both losses are exact, so only the rounding
+differs; pin ``loss.impl=cce`` or ``torch`` where bitwise reproducibility across runs matters.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -39,8 +46,8 @@ def _no_merge(lse: Tensor, tgt: Tensor) -> tuple[Tensor, Tensor]:
 def time_loss(impl: str, cfg: LossConfig, rows: int, width: int, hidden: int, dtype, device, n_valid: int) -> float:
     """Median seconds of one forward + backward of this shard's loss maths under ``impl`` (cce or torch)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
-    w = (torch.randn(width, hidden, generator=gen, device=device) * hidden**-0.5).to(dtype)
+    h = torch.randn(rows, hidden, generator=gen, device=device, dtype=dtype)
+    w = torch.randn(width, hidden, generator=gen, device=device, dtype=dtype).mul_(hidden**-0.5)
     t = torch.randint(0, max(n_valid, 1), (rows,), generator=gen, device=device)
     g = torch.full((rows,), 1.0 / rows, device=device)
     opt = loss_options(cfg, impl, dtype, n_valid, 0, -100, False)
@@ -73,21 +80,28 @@ def timed_choice(
 ) -> tuple[str, str]:
     """(impl, why): cce when its measured time is at most the materialised loss's, torch otherwise; ``fallback``
     (the memory rule's answer) when the check cannot run. Cached per shape: the first call decides for the run."""
-    key = (rows, width, hidden, dtype, str(device), n_valid, cfg.softcap, cfg.z_loss, cfg.backend)
+    key = (rows, width, hidden, dtype, str(device), n_valid, cfg.softcap, cfg.z_loss, cfg.backend, cfg.filter_eps,
+           cfg.sort_vocab, cfg.grad_accum_fp32)  # fmt: skip
     if key in _CHOICES:
         return _CHOICES[key]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return fallback  # not cached: the eager pass after the capture decides
+    failed = ""
     try:
         secs = [time_loss(impl, cfg, rows, width, hidden, dtype, device, n_valid) for impl in ("torch", "cce")]
     except Exception as e:  # a speed check must never stop a run
-        choice = (fallback[0], f"{fallback[1]} (speed check failed: {type(e).__name__}: {str(e).splitlines()[0]})")
-        _CHOICES[key] = choice
-        return choice
-    if group is not None:  # None: a single-process caller (the trainer always passes its TP group)
+        if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        secs = [math.inf, math.inf]
+    if group is not None:  # every TP rank joins, failed or not; inf from any rank means every rank falls back
         both = torch.tensor(secs, dtype=torch.float64, device=device)
         comm.all_reduce(both, group, "tp", op=dist.ReduceOp.MAX, region="loss.speed_check")
         secs = both.tolist()
+    if not all(math.isfinite(x) for x in secs):
+        choice = (fallback[0], f"{fallback[1]} (speed check failed: {failed or 'on another TP rank'})")
+        _CHOICES[key] = choice
+        return choice
     t_torch, t_cce = secs
     impl = "cce" if t_cce <= t_torch else "torch"
     sizes = f"{rows}x{width}, hidden {hidden}"

@@ -27,6 +27,8 @@ def accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
             _FUSED_ADDMM[:] = [True]
             return
+        except torch.OutOfMemoryError:  # says nothing about the API: keep the fused path for the next call
+            raise
         except (TypeError, RuntimeError):  # torch without addmm(out_dtype=): the separate add below
             _FUSED_ADDMM[:] = [False]
     out.add_(a @ b)
