@@ -17,9 +17,14 @@ def _fresh_cache():
     speed._CHOICES.clear()
 
 
+def _decide(rows: int = 64, group=None) -> tuple[str, str]:
+    """The check at a small fixed shape (V_local 40 with 37 real rows, hidden 16); the memory rule said torch."""
+    return speed.timed_choice(LossConfig(), rows, 40, 16, torch.bfloat16, "cpu", 37, group, ("torch", "rule"))
+
+
 def _choose(monkeypatch, t_torch: float, t_cce: float, rows: int = 64):
     monkeypatch.setattr(speed, "time_loss", lambda impl, *a: t_cce if impl == "cce" else t_torch)
-    return speed.timed_choice(LossConfig(), rows, 40, 16, torch.bfloat16, "cpu", 37, None, ("torch", "rule"))
+    return _decide(rows)
 
 
 def test_the_faster_loss_is_chosen_once_per_shape(monkeypatch):
@@ -35,7 +40,7 @@ def test_a_failed_check_keeps_the_memory_rule(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3 GiB")
 
     monkeypatch.setattr(speed, "time_loss", boom)
-    impl, why = speed.timed_choice(LossConfig(), 64, 40, 16, torch.bfloat16, "cpu", 37, None, ("torch", "rule"))
+    impl, why = _decide()
     assert impl == "torch" and why.startswith("rule (speed check failed: OutOfMemoryError: CUDA out of memory")
 
 
@@ -53,8 +58,7 @@ def _tp_choice(fast_rank: int) -> str:
     rank = torch.distributed.get_rank()
     times = {"torch": 1.0, "cce": 0.5} if rank == fast_rank else {"torch": 1.0, "cce": 1.5}
     speed.time_loss = lambda impl, *a: times[impl]
-    cfg = LossConfig()
-    return speed.timed_choice(cfg, 64, 40, 16, torch.bfloat16, "cpu", 37, state.tp_group(), ("torch", "rule"))[0]
+    return _decide(group=state.tp_group())[0]
 
 
 def test_tp_ranks_agree_on_the_loss():
@@ -75,9 +79,7 @@ def _one_rank_fails() -> tuple[str, str, float]:
         return {"torch": 1.0, "cce": 0.5}[impl]
 
     speed.time_loss = timer
-    impl, why = speed.timed_choice(
-        LossConfig(), 64, 40, 16, torch.bfloat16, "cpu", 37, state.tp_group(), ("torch", "rule")
-    )
+    impl, why = _decide(group=state.tp_group())
     nxt = torch.ones(3)
     comm.all_reduce(nxt, state.tp_group(), "tp")
     return impl, why, float(nxt.sum())

@@ -128,6 +128,12 @@ def slice_grads(
     return d_e, d_c, rows
 
 
+def master_grad(d_c: Tensor | None, master: Tensor | None) -> Tensor | None:
+    """dC as autograd wants it for the weight input: None once added into the master's bucket slice (``dc_out``),
+    in the master's dtype when the loss read a compute-dtype operand, as computed otherwise."""
+    return d_c if d_c is None or master is None else d_c.to(master.dtype)
+
+
 def loss_options(
     cfg: LossConfig, impl: str, dtype, n_valid: int, vocab_start: int, ignore_index: int, sequence_parallel: bool
 ) -> LossOptions:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megasparse.loss.core import KeepSpec, LossOptions, slice_grads, slice_stats, token_loss
+from megasparse.loss.core import KeepSpec, LossOptions, master_grad, slice_grads, slice_stats, token_loss
 from megasparse.loss.rows import rows_or_all, rows_to_all
 from megasparse.ops.wgrad import grad_buffer
 from megasparse.parallel import comm, vocab
@@ -74,8 +74,7 @@ class VocabParallelLoss(torch.autograd.Function):
         master = ctx.master
         bucket = grad_buffer(master)  # dC straight into the master's fp32 bucket slice (ops/wgrad.py)
         d_e, d_c, sub = slice_grads(h_k, weight, t_k, lse_k, g_k, opt, dc_out=bucket)
-        if master is not None and d_c is not None:
-            d_c = d_c.to(master.dtype)
+        d_c = master_grad(d_c, master)
         if meta is not None:
             d_e = rows_to_all(d_e, sub, keep.numel())  # kept rows with an ignored target: zero rows
             d_h = vocab.compact_kept_grad(d_e, meta, ctx.group, opt.sequence_parallel, ctx.h_shape)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from megasparse.loss.config import LossConfig, filter_threshold, resolve_impl
-from megasparse.loss.core import KeepSpec, LossOptions, slice_grads, slice_stats, token_loss
+from megasparse.loss.core import KeepSpec, LossOptions, master_grad, slice_grads, slice_stats, token_loss
 from megasparse.loss.rows import rows_to_all
 from megasparse.ops.compact import CompactGrad
 from megasparse.ops.wgrad import grad_buffer
@@ -161,17 +161,20 @@ class _LastStageLoss(torch.autograd.Function):
                     local, counts = rows.sp_split(meta, lay.tp, lay.tp_rank)
                     start = sum(counts[: lay.tp_rank])
                     d_rows, meta = d_rows[start : start + counts[lay.tp_rank]], local
-                return CompactGrad(d_rows, meta, ctx.h_shape), _to(d_c, ctx.master), None, None, None, None, None
+                return (
+                    CompactGrad(d_rows, meta, ctx.h_shape),
+                    master_grad(d_c, ctx.master),
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                )
             broadcast_from_last(g)
             d_e, d_c = ctx.sl.backward(h, weight, targets, lse, g, bucket)
         if ctx.sp:
             d_e = d_e.chunk(lay.tp)[lay.tp_rank]
-        return d_e.reshape(ctx.h_shape), _to(d_c, ctx.master), None, None, None, None, None
-
-
-def _to(d_c: Tensor | None, master: Tensor) -> Tensor | None:
-    """dC for autograd in the master's dtype (None: already added into its bucket slice)."""
-    return None if d_c is None else d_c.to(master.dtype)
+        return d_e.reshape(ctx.h_shape), master_grad(d_c, ctx.master), None, None, None, None, None
 
 
 def vocab_pp_loss(
