@@ -29,6 +29,14 @@ def _check() -> None:
                 err = ((got.double() - ref).norm() / ref.norm()).item()
                 assert err < TOL[dtype], (dtype, n, h, err)
             assert y.dtype == dx.dtype == dtype and dw.dtype == torch.float32
+            # kept rows only (the compact backward): dx of those rows, dw over them, x read through the indices
+            rows = torch.arange(0, n, 3)
+            dxk, dwk = rms_backward(x, w, dy[rows], 1e-5, rows=rows)
+            dxkr, dwkr = rms_backward_reference(x.double()[rows], w.double(), dy.double()[rows], 1e-5)
+            assert dxk.shape == (rows.numel(), h)
+            for got, ref in ((dxk, dxkr), (dwk, dwkr)):
+                err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                assert err < TOL[dtype], ("rows", dtype, n, h, err)
 
 
 @needs_interpreter
@@ -61,3 +69,21 @@ def test_rmsnorm_kernels_on_gpu(n: int, h: int) -> None:
         dxr, dwr = rms_backward_reference(x.double(), w.double(), dy.double(), 1e-5)
         for got, ref in ((y, yr), (dx, dxr), (dw, dwr)):
             assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+        rows = torch.arange(0, n, 2, device="cuda")
+        dxk, dwk = rms_backward(x, w, dy[rows], 1e-5, rows=rows)
+        dxkr, dwkr = rms_backward_reference(x.double()[rows], w.double(), dy.double()[rows], 1e-5)
+        for got, ref in ((dxk, dxkr), (dwk, dwkr)):
+            assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_glu_backward_kept_rows_on_gpu() -> None:
+    from megasparse.ops.glu import glu_backward_triton
+
+    z = torch.randn(4096, 2 * 5632, device="cuda", dtype=torch.bfloat16)
+    go = torch.randn(4096, 5632, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randperm(4096, device="cuda")[:2458].sort().values
+    full = glu_backward_triton(z, go, "swiglu")
+    kept = glu_backward_triton(z, go[rows].contiguous(), "swiglu", rows=rows)
+    assert torch.equal(kept, full[rows])

@@ -184,6 +184,38 @@ def test_sparse_linear_refreshes_after_weight_update_once():
     torch.testing.assert_close(y, x @ (w.detach() * st.mask).t())
 
 
+def test_refresh_builds_only_the_operands_the_gemms_read(monkeypatch):
+    """A refresh skips W ⊙ M once the GEMMs are known to read only packed operands, and the packing once they
+    read only W ⊙ M; an operand a GEMM asks for after a skipped refresh is built then, so results never go stale;
+    switching GEMMs (the autotune) forgets what was learned."""
+    w = torch.randn(8, 16, dtype=torch.float64)
+    st = Sparse24Weight(w, transposable_mask(w), backend="emulate")
+    packs = []
+    st.can_sparse = True  # packing itself needs cuSPARSELt; record the calls instead
+    monkeypatch.setattr(st, "_refresh_sparse", lambda wt: packs.append(wt.sum().item()))
+    st.refresh(w)
+    assert len(packs) == 1  # nothing known yet: both built (W ⊙ M lazily, on first use)
+    torch.testing.assert_close(st.dense_weight(), w * st.mask)
+    w2 = w + 1
+    st.refresh(w2)
+    assert len(packs) == 1  # only W ⊙ M was read: no packing
+    torch.testing.assert_close(st.dense_weight(), w2 * st.mask)
+    st.sparse_operands()  # a GEMM now needs the packed operands: built for this version
+    assert len(packs) == 2
+    st.sparse_operands()
+    assert len(packs) == 2
+    st.use_sparse = False
+    st.use_sparse = True  # another plan: unknown again, both rebuilt eagerly
+    st.refresh(w2 + 1)
+    assert len(packs) == 3
+    masked = st._masked
+    st.sparse_operands()
+    st.refresh(w2 + 2)  # only packed read since: W ⊙ M is stale ...
+    assert len(packs) == 4 and st._masked_at != st.version
+    torch.testing.assert_close(st.dense_weight(), (w2 + 2) * st.mask)  # ... until asked for, in place
+    assert st.dense_weight() is masked
+
+
 def test_backward_on_kept_rows_only():
     """The token-filter wrapper calls sparse24_backward with the kept rows of ∇Y and of X."""
     w = torch.nn.Parameter(torch.randn(8, 12, dtype=torch.float64))

@@ -111,6 +111,11 @@ def _activation() -> None:
             ref.backward(go)
             dz = glu_backward_triton(zt, go.float(), kind)
             torch.testing.assert_close(dz.double(), zr.grad, rtol=1e-5, atol=1e-5)
+            # kept rows only (the compact backward): the kernel reads z's rows through the indices
+            rows = torch.tensor([0, 3, 4, 17, 35, 36])
+            dzk = glu_backward_triton(zt, go[rows].float().contiguous(), kind, rows=rows)
+            assert dzk.shape == (6, 42) and dzk.stride(1) == 1
+            torch.testing.assert_close(dzk.double(), zr.grad[rows], rtol=1e-5, atol=1e-5)
         zb = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
         y = GatedActivationFn.apply(zb, kind)
         y.float().sum().backward()

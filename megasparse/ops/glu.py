@@ -46,11 +46,17 @@ if triton is not None:
         return a, da
 
     @triton.jit
-    def _load_gate_up(z_ptr, n, f, sz0, sz1, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+    def _load_gate_up(
+        z_ptr, idx_ptr, n, f, sz0, sz1, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr
+    ):
         r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         ok = (r[:, None] < n) & (c[None, :] < f)
-        zg = z_ptr + r[:, None] * sz0 + c[None, :] * sz1
+        if GATHER:  # row r of the result reads z's row idx[r]
+            src = tl.load(idx_ptr + r, mask=r < n, other=0).to(tl.int64)
+        else:
+            src = r.to(tl.int64)
+        zg = z_ptr + src[:, None] * sz0 + c[None, :] * sz1
         g = tl.load(zg, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(zg + f * sz1, mask=ok, other=0.0).to(tl.float32)
         return r, c, ok, g, up
@@ -59,16 +65,16 @@ if triton is not None:
     def _glu_fwd_kernel(
         z_ptr, o_ptr, n, f, sz0, sz1, so0, so1, GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr
     ):
-        r, c, ok, g, up = _load_gate_up(z_ptr, n, f, sz0, sz1, BLOCK_N, BLOCK_F)
+        r, c, ok, g, up = _load_gate_up(z_ptr, z_ptr, n, f, sz0, sz1, False, BLOCK_N, BLOCK_F)
         a, _ = _act(g, GELU)
         tl.store(o_ptr + r[:, None] * so0 + c[None, :] * so1, (a * up).to(o_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _glu_bwd_kernel(
-        z_ptr, go_ptr, dz_ptr, n, f, sz0, sz1, sg0, sg1, sd0, sd1,
-        GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+        z_ptr, go_ptr, dz_ptr, idx_ptr, n, f, sz0, sz1, sg0, sg1, sd0, sd1,
+        GELU: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
     ):  # fmt: skip
-        r, c, ok, g, up = _load_gate_up(z_ptr, n, f, sz0, sz1, BLOCK_N, BLOCK_F)
+        r, c, ok, g, up = _load_gate_up(z_ptr, idx_ptr, n, f, sz0, sz1, GATHER, BLOCK_N, BLOCK_F)
         go = tl.load(go_ptr + r[:, None] * sg0 + c[None, :] * sg1, mask=ok, other=0.0).to(tl.float32)
         a, da = _act(g, GELU)
         d = dz_ptr + r[:, None] * sd0 + c[None, :] * sd1
@@ -102,15 +108,29 @@ def glu_forward_triton(z: torch.Tensor, kind: str = "swiglu") -> torch.Tensor:
     return out
 
 
-def glu_backward_triton(z: torch.Tensor, grad_out: torch.Tensor, kind: str = "swiglu") -> torch.Tensor:
-    n, f2 = z.shape
+def glu_backward_triton(
+    z: torch.Tensor, grad_out: torch.Tensor, kind: str = "swiglu", rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """dz for dout = ``grad_out``. With ``rows`` (kept-row indices into z), ``grad_out`` and dz hold only those
+    rows and the kernel reads them from the full z: the compact backward gathers no copy of z first."""
+    f2 = z.shape[1]
     f = f2 // 2
-    dz = _like_layout((n, f2), z)
-    bn, bf = _blocks(z)
+    if rows is None:
+        n = z.shape[0]
+        dz = _like_layout((n, f2), z)
+        bn, bf = _blocks(z)
+    else:
+        n = rows.numel()
+        if grad_out.shape[0] != n:
+            raise ValueError(f"glu_backward_triton: {n} row indices for a gradient of {grad_out.shape[0]} rows")
+        rows = rows.contiguous()
+        dz = _like_layout((n, f2), grad_out)
+        bn, bf = _blocks(grad_out)
     grid = (math.ceil(n / bn), math.ceil(f / bf))
     _glu_bwd_kernel[grid](
-        z, grad_out, dz, n, f, z.stride(0), z.stride(1), grad_out.stride(0), grad_out.stride(1),
-        dz.stride(0), dz.stride(1), GELU=kind == "geglu", BLOCK_N=bn, BLOCK_F=bf,
+        z, grad_out, dz, z if rows is None else rows, n, f, z.stride(0), z.stride(1),
+        grad_out.stride(0), grad_out.stride(1), dz.stride(0), dz.stride(1),
+        GELU=kind == "geglu", GATHER=rows is not None, BLOCK_N=bn, BLOCK_F=bf,
     )  # fmt: skip
     return dz
 

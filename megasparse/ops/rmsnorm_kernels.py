@@ -58,7 +58,9 @@ if triton is not None:
         tl.store(y_ptr + row * h + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rms_bwd_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, dw_ptr, n, h, rows_per, eps, BLOCK: tl.constexpr):
+    def _rms_bwd_kernel(
+        x_ptr, w_ptr, g_ptr, dx_ptr, dw_ptr, idx_ptr, n, h, rows_per, eps, GATHER: tl.constexpr, BLOCK: tl.constexpr
+    ):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < h
@@ -69,7 +71,8 @@ if triton is not None:
             r = pid * rows_per + i
             live = (r < n).to(tl.float32)
             row = tl.minimum(r, n - 1).to(tl.int64)
-            x = tl.load(x_ptr + row * h + cols, mask=m, other=0.0).to(tl.float32)
+            src = tl.load(idx_ptr + row).to(tl.int64) if GATHER else row  # x row of compact row ``row``
+            x = tl.load(x_ptr + src * h + cols, mask=m, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + row * h + cols, mask=m, other=0.0).to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / h + eps)
             xhat = x * rstd
@@ -104,19 +107,31 @@ def rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return y.view(x.shape)
 
 
-def rms_backward(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx in x's dtype, dw in fp32); ``x`` and ``g`` are [..., h] with the same rows (dense or kept only)."""
+def rms_backward(
+    x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's dtype, dw in fp32); ``x`` and ``g`` are [..., h] with the same rows (dense or kept only).
+
+    With ``rows`` (kept-row indices into x's rows), ``g`` and dx hold only those rows and the kernel reads them
+    from the full ``x`` itself: the compact backward then pays no separate gather of x (a read and a write of
+    the kept rows) before it."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h).contiguous()
     g2 = g.reshape(-1, h).contiguous()
-    n = x2.shape[0]
-    dx = torch.empty_like(x2)
+    n = g2.shape[0] if rows is not None else x2.shape[0]
+    if rows is not None and rows.numel() != n:
+        raise ValueError(f"rms_backward: {rows.numel()} row indices for a gradient of {n} rows")
+    dx = torch.empty_like(g2, dtype=x.dtype) if rows is not None else torch.empty_like(x2)
+    out_shape = dx.shape if rows is not None else x.shape
     if n == 0:
-        return dx.view(x.shape), torch.zeros(h, dtype=torch.float32, device=x.device)
+        return dx.view(out_shape), torch.zeros(h, dtype=torch.float32, device=x.device)
     progs = _programs(n, x.device)
     rows_per = triton.cdiv(n, progs)
     progs = triton.cdiv(n, rows_per)
     partial = torch.empty(progs, h, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(h)
-    _rms_bwd_kernel[(progs,)](x2, w, g2, dx, partial, n, h, rows_per, eps, BLOCK=block, num_warps=_warps(block))
-    return dx.view(x.shape), partial.sum(0)
+    idx = rows.contiguous() if rows is not None else x2  # unread without GATHER
+    _rms_bwd_kernel[(progs,)](
+        x2, w, g2, dx, partial, idx, n, h, rows_per, eps, GATHER=rows is not None, BLOCK=block, num_warps=_warps(block)
+    )  # fmt: skip
+    return dx.view(out_shape), partial.sum(0)

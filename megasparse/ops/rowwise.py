@@ -1,7 +1,8 @@
 """Row-wise ops with a filter-aware backward: RMSNorm and the SwiGLU gate.
 
-Each backward accepts either a dense gradient or a ``CompactGrad``; with the latter it gathers
-the kept rows of what forward saved and works on [k, ·] only.
+Each backward accepts either a dense gradient or a ``CompactGrad``; with the latter it works on the
+kept rows [k, ·] only. On the GPU the kernels read those rows of what forward saved through the
+kept-row indices themselves; elsewhere the rows are gathered first.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megasparse.ops.compact import CompactGrad, rows_of
+from megasparse.ops.compact import CompactGrad
 from megasparse.ops.glu import glu_backward_triton, glu_forward_triton
 from megasparse.ops.rmsnorm_kernels import (
     rms_backward,
@@ -27,9 +28,14 @@ def _rms_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_forward_reference(x, weight, eps)
 
 
-def _rms_bwd(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_bwd(
+    x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows``: g holds only these rows of x (the compact backward)."""
     if x.is_cuda and triton is not None:
-        return rms_backward(x, w, g, eps)
+        return rms_backward(x, w, g, eps, rows=rows)
+    if rows is not None:
+        x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
     return rms_backward_reference(x, w, g, eps)
 
 
@@ -44,7 +50,7 @@ class RMSNormFn(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         if isinstance(g, CompactGrad):
-            dx, dw = _rms_bwd(rows_of(x, g.meta), w, g.rows, ctx.eps)
+            dx, dw = _rms_bwd(x, w, g.rows, ctx.eps, rows=g.meta.idx)
             return CompactGrad(dx, g.meta, x.shape), dw.to(w.dtype), None
         dx, dw = _rms_bwd(x, w, g, ctx.eps)
         return dx, dw.to(w.dtype), None
@@ -64,9 +70,12 @@ def _swiglu_bwd(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.cat([da, db], dim=-1).to(x.dtype)
 
 
-def _swiglu_bwd_any(x2d: torch.Tensor, g2d: torch.Tensor) -> torch.Tensor:
+def _swiglu_bwd_any(x2d: torch.Tensor, g2d: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``rows``: g2d holds only these rows of x2d (the compact backward)."""
     if x2d.is_cuda:  # the fused Triton kernel (ops/glu.py), shared with the sparse FFN
-        return glu_backward_triton(x2d, g2d.contiguous(), "swiglu")
+        return glu_backward_triton(x2d, g2d.contiguous(), "swiglu", rows=rows)
+    if rows is not None:
+        x2d = x2d.index_select(0, rows)
     return _swiglu_bwd(x2d, g2d)
 
 
@@ -85,7 +94,8 @@ class SwiGLUFn(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         if isinstance(g, CompactGrad):
-            return CompactGrad(_swiglu_bwd_any(rows_of(x, g.meta), g.rows), g.meta, x.shape)
+            x2d = x.reshape(-1, x.shape[-1])
+            return CompactGrad(_swiglu_bwd_any(x2d, g.rows, rows=g.meta.idx), g.meta, x.shape)
         x2d = x.reshape(-1, x.shape[-1])
         return _swiglu_bwd_any(x2d, g.reshape(-1, g.shape[-1])).view(x.shape)
 
