@@ -110,3 +110,17 @@ def test_no_check_without_autograd(monkeypatch):
         h, w = torch.randn(8, 16), torch.randn(40, 16)
         vocab_parallel_loss(h, w, torch.randint(0, 37, (8,)), LossConfig(), vocab_start=0, vocab_size=37)
     assert speed._CHOICES == {}
+
+
+def test_the_choice_is_printed_once_on_the_first_rank(monkeypatch, capsys):
+    """Users see what auto chose (the logger alone is silent in a plain run); other ranks stay quiet."""
+    import megasparse.loss as loss_pkg
+
+    reason = "loss.impl=auto -> cce: a test-only reason"
+    monkeypatch.setenv("RANK", "0")
+    loss_pkg._log_choice(reason)
+    loss_pkg._log_choice(reason)
+    assert capsys.readouterr().out.count(reason) == 1
+    monkeypatch.setenv("RANK", "1")
+    loss_pkg._log_choice(reason + " (rank 1)")
+    assert capsys.readouterr().out == ""

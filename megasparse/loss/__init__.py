@@ -11,6 +11,7 @@ Collectives live in ``megasparse/parallel`` (``vocab.py``, ``vocab_pp_comm.py``)
 from __future__ import annotations
 
 import logging
+import os
 from functools import cache
 
 import torch
@@ -33,8 +34,11 @@ log = logging.getLogger(__name__)
 
 @cache
 def _log_choice(reason: str) -> None:
-    """Log each distinct impl=auto decision once per process (the shapes of a run are fixed)."""
+    """Say each distinct impl=auto decision once per process (the shapes of a run are fixed), on the first rank's
+    console like the trainer's other one-time choices (the 2:4 autotune's), and to the logger."""
     log.info(reason)
+    if os.environ.get("RANK", "0") == "0":
+        print(reason, flush=True)
 
 
 def vocab_parallel_loss(
