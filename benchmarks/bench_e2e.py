@@ -21,7 +21,9 @@ compact backward cost the same with any scorer). MFU counts the dense model's FL
 (``megasparse.metrics.flops_per_token``), so a faster accelerated step shows as higher MFU.
 
 Writes ``e2e_<layout>.json`` (``device``, ``layout``, ``cases``: mode, micro_batch_size, step_ms, anchor_step_ms,
-ratio_vs_anchor, ratio_vs_dense, mfu, mem_gib, host_syncs_per_step, ...) and prints the table last.
+ratio_vs_anchor, ratio_vs_dense, mfu, mem_gib, host_syncs_per_step, ...) and prints the table last. ``mem_gib`` is the
+peak allocated during the timed steps less what earlier cases left allocated (``leftover_gib``: megatron-core's
+anchor leaves about 10 GiB behind on TinyLlama, which the following case's peak used to include).
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def run(a: argparse.Namespace) -> int:
                 "tflops_per_gpu": row["tflops_per_gpu"],
                 "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
                 "mem_gib": row["mem_gib_max_rank"],
+                "leftover_gib": max(x[0] for x in bt.gather_floats([r["leftover_gib"]], dev)),
                 "host_syncs_per_step": max(syncs),
                 "step_ms_per_rank": row["step_ms_per_rank"],
                 "step_ms_spread": row["step_ms_spread"],

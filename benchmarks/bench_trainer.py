@@ -142,6 +142,9 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
     returned under "after" (bench_e2e counts host synchronisations that way)."""
     import mcore_anchor
 
+    _free()
+    # what earlier cases left allocated (megatron-core's anchor leaves ~10 GiB behind on TinyLlama): not this case's
+    leftover = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     if impl == "megasparse":
         tr = Trainer(cfg, init_groups=False)
         dev = tr.device
@@ -170,7 +173,7 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
         loss, sec = step()
         losses.append(loss)
         times.append(sec)
-    mem = _peak_gib(dev)
+    mem = _peak_gib(dev) - leftover
     prof = profile_table(step, dev, f"{impl} mb={cfg.train.micro_batch_size}") if profile else ""
     extra = after(step) if after is not None else None
     if getattr(keep, "graphs", None) is not None:  # a captured step's memory pool outlives the trainer otherwise
@@ -182,6 +185,7 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
     return {
         "times": times,
         "mem_gib": mem,
+        "leftover_gib": leftover,
         "losses": [x for x in losses if x is not None],
         "profile": prof,
         "after": extra,

@@ -16,6 +16,7 @@ def _train(extra: list[str], copies: bool, fused: bool, steps: int = 4) -> dict:
     from megasparse.config import load_config
     from megasparse.model.builder import _decay_groups
     from megasparse.parallel.layers import _ParallelLinear
+    from megasparse.sparse24.gemm import Sparse24Gemm
     from megasparse.train import Trainer
 
     tr = Trainer(load_config(None, BF16 + extra))
@@ -34,9 +35,12 @@ def _train(extra: list[str], copies: bool, fused: bool, steps: int = 4) -> dict:
     losses, stale = [], 0
     for _ in range(steps):
         losses.append(tr.train_step().loss)
-        for m in linears:  # what the next forward will multiply with
+        for m in linears:  # what the next forward will multiply with (a sparse layer's copy is W ⊙ M itself)
             w = m.compute_weight()
-            stale += int(w is not None and not torch.equal(w, m.weight.detach().to(torch.bfloat16)))
+            want = m.weight.detach()
+            if isinstance(m.gemm, Sparse24Gemm) and m.gemm.manager.state(m.gemm.name) is not None:
+                want = want * m.gemm.manager.masks[m.gemm.name]
+            stale += int(w is not None and not torch.equal(w, want.to(torch.bfloat16)))
         for m in outputs if copies else []:
             stale += int(not torch.equal(m.output_copy.get(), m.output_weight.detach().to(torch.bfloat16)))
     kept = tr.dp_opt.copies.copies if tr.dp_opt.copies is not None else []

@@ -367,3 +367,49 @@ def test_decay_search_orchestration(monkeypatch, tmp_path, capsys):
     assert rc == 1 and out.exists()  # μ = 1.09: not feasible
     assert seen[0][0] is True and all(s[3] for s in seen) and seen[1][2] == 4
     assert "recommended sparsity.decay=3e-06" in capsys.readouterr().out
+
+
+def test_gemm_compute_copy_is_the_masked_weight_through_refreshes_and_the_dense_switch():
+    """With fp32 masters and bf16 compute, the 2:4 GEMMs' copy is W ⊙ M itself (no second W ⊙ M buffer); a master
+    written without a version bump (the fused step) is copied again after the step, a new mask re-multiplies it
+    from the master, and the dense phase gets the plain copy."""
+    from megasparse.sparse24.gemm import Sparse24Gemm
+
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    mgr = SparsityManager({"fc": w}, SparsityConfig(enabled=True, refresh_interval=1000), total_steps=100)
+    gemm = Sparse24Gemm(mgr, "fc", w, torch.bfloat16, mvue=False)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+
+    def expect(mask):
+        return x @ (w.detach() * mask).to(torch.bfloat16).t()
+
+    assert torch.equal(gemm.fwd(x, None), expect(mgr.masks["fc"]))
+    st = gemm._state
+    assert st.source_masked and st.dense_weight().data_ptr() == gemm._w.data_ptr()  # no separate W ⊙ M
+    assert torch.equal(gemm._w, (w.detach() * mgr.masks["fc"]).to(torch.bfloat16))
+    w.data.add_(0.5)  # an optimizer writing through .data: no version bump
+    mgr.after_step(1)
+    assert torch.equal(gemm.fwd(x, None), expect(mgr.masks["fc"]))
+    new = ~mgr.masks["fc"]  # any other mask object: the copy is re-multiplied from the master, not from itself
+    mgr.masks["fc"] = new
+    assert torch.equal(gemm.fwd(x, None), expect(new))
+    mgr._go_dense()
+    assert torch.equal(gemm.operand(), w.detach().to(torch.bfloat16))  # dense phase: every weight back
+
+
+def test_replay_key_is_stable_while_the_operands_stay_in_place():
+    """The captured step is re-captured only when the GEMMs' buffers change: refreshing values in place (every
+    optimizer step) must leave the key as it was, a new mask must change it."""
+    from megasparse.sparse24.gemm import Sparse24Gemm
+
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    mgr = SparsityManager({"fc": w}, SparsityConfig(enabled=True, refresh_interval=1000), total_steps=100)
+    gemm = Sparse24Gemm(mgr, "fc", w, torch.bfloat16, mvue=False)
+    gemm.fwd(torch.randn(4, 16, dtype=torch.bfloat16), None)
+    key = gemm.prepare_replay()
+    for step in (1, 2):
+        w.data.add_(0.1)
+        mgr.after_step(step)
+        assert gemm.prepare_replay() == key
+    mgr.masks["fc"] = ~mgr.masks["fc"]
+    assert gemm.prepare_replay() != key

@@ -56,6 +56,11 @@ def _check(device: str = "cpu") -> None:
                 assert torch.equal(out, p.to(torch.bfloat16))
             else:  # the interpreter's cast truncates: within one bf16 step
                 assert ((out.float() - p).abs() <= 2**-7 * p.abs()).all()
+        # the 2:4 GEMMs' operand: the updated weight times the mask, pruned entries exactly zero
+        masked = torch.empty(n, dtype=torch.bfloat16, device=device)
+        masked_adamw_(p.clone(), grads[0].float(), m.clone(), v.clone(), mask, 4, **HYPER, out=masked, mask_out=True)
+        masked_adamw_(p, grads[0].float(), m, v, mask, 4, **HYPER, out=out)
+        assert torch.equal(masked, out * mask) and not masked[~mask].any()
 
 
 @needs_interpreter

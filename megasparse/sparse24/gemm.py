@@ -25,31 +25,50 @@ class Sparse24Gemm:
         self._w: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
         self._written_at: int | None = None
+        self._w_mask: torch.Tensor | None = None  # the mask the compute copy was multiplied by (None: plain copy)
         self._state: Sparse24Weight | None = None
         self._mask = None
         self.use_sparse = True
         """False: masked dense GEMMs (the converter's step-level autotune found them faster)."""
 
+    def _copy_mask(self) -> torch.Tensor | None:
+        """The mask the compute copy carries: the current one while the layer runs sparse, None when it runs dense."""
+        return self.manager.masks[self.name] if self.manager.state(self.name) is not None else None
+
     def _copy(self) -> torch.Tensor:
         """The weight in compute dtype, copied again after each optimizer step: a fused optimizer writes the master
-        without moving its version counter, so the recipe's step count is part of the key. When the fused 2:4
-        step (``optim.py``) already wrote the new values here, only the operands built from them are stale."""
+        without moving its version counter, so the recipe's step count is part of the key. While the layer runs
+        sparse the copy is W ⊙ M itself (the masked-dense GEMMs read it as is, the packing reads its kept values),
+        so no separate W ⊙ M is made or stored. When the fused 2:4 step (``optim.py``) already wrote the new
+        masked values here with the current mask, only the operands built from them are stale; after a mask
+        refresh or the switch to dense the copy is made again from the master."""
         key = (self.param._version, self.manager.updates)
+        mask = self._copy_mask()
         if self._w is None:
-            self._w = self.param.detach().to(self.dtype)
-        elif self._key != key:
-            if self._written_at == self.param._version:
+            self._w = torch.empty(self.param.shape, dtype=self.dtype, device=self.param.device)
+            self._fill(mask)
+        elif self._key != key or self._w_mask is not mask:
+            if self._written_at == self.param._version and self._w_mask is mask:
                 if self._state is not None:
                     self._state.invalidate()
             else:
-                self._w.copy_(self.param.detach())  # in place: a captured step keeps reading this buffer
+                self._fill(mask)
             self._written_at = None
         self._key = key
         return self._w
 
-    def copy_written(self) -> None:
-        """The optimizer just wrote the updated weight into the compute copy (``optim.FusedMaskedAdamW``)."""
+    def _fill(self, mask: torch.Tensor | None) -> None:
+        # in place: a captured step keeps reading this buffer
+        if mask is None:
+            self._w.copy_(self.param.detach())
+        else:
+            torch.mul(self.param.detach(), mask, out=self._w)
+        self._w_mask = mask
+
+    def copy_written(self, mask: torch.Tensor) -> None:
+        """The optimizer just wrote the updated weight, times ``mask``, into the compute copy (``optim.py``)."""
         self._written_at = self.param._version
+        self._w_mask = mask
 
     def operand(self) -> torch.Tensor | None:
         """The layer's compute-dtype weight (the layer casts nothing per micro-batch); None when no cast is needed."""
@@ -65,6 +84,7 @@ class Sparse24Gemm:
         mask = self.manager.masks[self.name]
         if self._state is None:
             self._state = Sparse24Weight(wt, mask, backend=self.manager.cfg.backend, name=self.name)
+            self._state.source_masked = True  # _copy's W ⊙ M
         elif self._mask is not mask:
             self._state.set_mask(mask)
         self._mask = mask
@@ -78,7 +98,11 @@ class Sparse24Gemm:
         if st is None:
             return (self.name, None)
         st.refresh(wt)
-        return (self.name, self.use_sparse, st.mask_version, id(st.packed), id(st.packed_t), id(st._masked), id(wt))
+
+        def at(t: torch.Tensor | None) -> int | None:  # storage, not the Python object: aliases are made per refresh
+            return None if t is None else t.data_ptr()
+
+        return (self.name, self.use_sparse, st.mask_version, at(st.packed), at(st.packed_t), at(st._masked), at(wt))
 
     def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         st, wt = self._operands()

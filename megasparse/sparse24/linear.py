@@ -239,6 +239,8 @@ class Sparse24Weight:
         self._reads: set[str] | None = None
         """Operands the GEMMs have read since the plans last changed ("packed", "masked"); None: not known yet."""
         self._masked_at = -1  # the version _masked was built at
+        self.source_masked = False
+        """True: the weight given to ``refresh`` is W ⊙ M already (a 2:4 GEMM's compute copy): no product is made."""
         self._packed_at = -1
 
     @property
@@ -302,9 +304,11 @@ class Sparse24Weight:
         # Only the operands the GEMMs read are rebuilt here: at a shape where every GEMM runs sparse, W ⊙ M is
         # unused, and where the per-shape plans all chose dense GEMMs the packed values are (2.9 and 2.7 ms a
         # step on TinyLlama, one H100). Until the GEMMs have run once with these plans, both are built.
+        if self.source_masked:
+            self._masked, self._masked_at = self._w, self.version
         if self._masked is not None and self._masked.shape != self._w.shape:
             self._masked = None
-        if self._masked is not None and self._wants("masked"):
+        if self._masked is not None and self._wants("masked") and not self.source_masked:
             # in place: a captured step (megasparse/cudagraph.py) keeps reading this buffer
             torch.mul(self._w, self.mask, out=self._masked)
             self._masked_at = self.version
@@ -323,6 +327,8 @@ class Sparse24Weight:
     def dense_weight(self) -> torch.Tensor:
         """W ⊙ M of the last refresh (for the masked-dense GEMMs), built now if that refresh skipped it."""
         self.note_read("masked")
+        if self.source_masked:
+            return self._w
         if self._masked is None:
             self._masked = self._w * self.mask
         elif self._masked_at != self.version:

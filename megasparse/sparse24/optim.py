@@ -46,7 +46,7 @@ if triton is not None:
     def _masked_adamw_kernel(
         p_ptr, g_ptr, m_ptr, v_ptr, mask_ptr, out_ptr, n,
         lr, beta1, beta2, eps, keep_w, decay, step_size, bc2_sqrt,
-        WRITE_OUT: tl.constexpr, BLOCK: tl.constexpr,
+        WRITE_OUT: tl.constexpr, MASK_OUT: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
@@ -64,23 +64,27 @@ if triton is not None:
         tl.store(m_ptr + offs, m, mask=live)
         tl.store(v_ptr + offs, v, mask=live)
         if WRITE_OUT:
-            tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=live)
+            if MASK_OUT:  # the 2:4 GEMMs' operand is W ⊙ M
+                tl.store(out_ptr + offs, (p * keep).to(out_ptr.dtype.element_ty), mask=live)
+            else:
+                tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=live)
 
 
 def masked_adamw_(
     p: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, mask: torch.Tensor,
     step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decay: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, mask_out: bool = False,
 ) -> None:  # fmt: skip
     """The Triton step (GPU, or under TRITON_INTERPRET): fp32 p, g, moments (contiguous); bool mask; ``out`` (any
-    float dtype, p's shape, contiguous) receives the updated weights, e.g. the bf16 GEMM operand."""
+    float dtype, p's shape, contiguous) receives the updated weights, times the mask with ``mask_out`` (the 2:4
+    GEMMs' bf16 operand W ⊙ M)."""
     n = p.numel()
     if n == 0:
         return
     _masked_adamw_kernel[(triton.cdiv(n, BLOCK),)](
         p, g, exp_avg, exp_avg_sq, mask.view(torch.uint8), p if out is None else out, n,
         lr, beta1, beta2, eps, 1.0 - lr * weight_decay, decay, lr / (1 - beta1**step), math.sqrt(1 - beta2**step),
-        WRITE_OUT=out is not None, BLOCK=BLOCK, num_warps=8,
+        WRITE_OUT=out is not None, MASK_OUT=mask_out, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
 
 
@@ -125,7 +129,10 @@ class FusedMaskedAdamW:
                     continue
                 if p.dtype != torch.float32 or not p.is_cuda or not p.is_contiguous() or not p.grad.is_contiguous():
                     return False
-                todo.append((name, p, group, getattr(self.gemms.get(name), "_w", None)))
+                out = getattr(self.gemms.get(name), "_w", None)  # the GEMMs' W ⊙ M, written by the kernel
+                if out is not None and not (out.shape == p.shape and out.is_contiguous()):
+                    out = None
+                todo.append((name, p, group, out))
         if not todo:
             return False
         if self.steps is None:  # once per run and after a load: one read of the device step counts
@@ -142,10 +149,10 @@ class FusedMaskedAdamW:
             masked_adamw_(
                 p.detach(), p.grad, st["exp_avg"], st["exp_avg_sq"], mgr.masks[name], self.steps[name],
                 float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], mgr.cfg.decay,
-                out=out if out is not None and out.shape == p.shape and out.is_contiguous() else None,
+                out=out, mask_out=True,
             )  # fmt: skip
             if out is not None:
-                self.gemms[name].copy_written()
+                self.gemms[name].copy_written(mgr.masks[name])
             self.hidden.append((p, p.grad))
             p.grad = None  # the torch step skips it
         torch._foreach_add_([optimizer.state[p]["step"] for _, p, _, _ in todo], 1.0)
