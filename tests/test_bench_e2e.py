@@ -64,3 +64,38 @@ def test_ratios_use_the_mean_of_first_and_repeated_runs() -> None:
     assert cases[2]["ratio_vs_dense"] == pytest.approx(75.0 / 92.0)
     assert cases[0]["ratio_vs_dense"] is None and cases[1]["anchor_step_ms"] == pytest.approx(102.0)
     assert drift["anchor_drift"] == pytest.approx(0.04) and drift["dense_runs_ms"] == [90.0, 94.0]
+
+
+def test_pair_names_split_at_the_colon_that_leaves_two_modes() -> None:
+    import bench_pair as bp
+
+    assert bp._split_pair("dense:2:4") == ("dense", "2:4")
+    assert bp._split_pair("2:4:dense") == ("2:4", "dense")
+    assert bp._split_pair("collider:collider+2:4") == ("collider", "collider+2:4")
+    with pytest.raises(ValueError, match="use A:B"):
+        bp._split_pair("dense:sparse")
+
+
+def _pair_run(out: str) -> dict:
+    import json
+
+    import bench_pair as bp
+
+    tiny = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "model.num_layers=2",
+            "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+            "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=250", "train.global_batch_size=2",
+            "train.eval_interval=0"]  # fmt: skip
+    rc = bp.main(["1gpu_tinyllama", *tiny, "--pairs", "dense:collider", "--rounds", "3", "--out-dir", out])
+    return {"rc": rc, "report": json.loads((Path(out) / "pair_1gpu_tinyllama.json").read_text())}
+
+
+def test_pair_bench_times_both_trainers_in_rounds(tmp_path) -> None:
+    """The paired bench runs both modes' trainers in one process on CPU and reports per-round ratios."""
+    from distributed import run_distributed
+
+    r = run_distributed(_pair_run, 1, str(tmp_path))[0]
+    assert r["rc"] == 0
+    (p,) = r["report"]["pairs"]
+    assert (p["a"], p["b"], p["rounds"]) == ("dense", "collider", 3)
+    assert p["a_ms"] > 0 and p["b_ms"] > 0 and p["ratio_min"] <= p["ratio_b_over_a"] <= p["ratio_max"]
+    assert r["report"]["table"].splitlines()[-1].startswith("B/A")
