@@ -413,3 +413,20 @@ def test_replay_key_is_stable_while_the_operands_stay_in_place():
         assert gemm.prepare_replay() == key
     mgr.masks["fc"] = ~mgr.masks["fc"]
     assert gemm.prepare_replay() != key
+
+
+def test_replay_key_of_a_dense_phase_layer_names_its_refreshed_copy():
+    """Dense fine-tuning (and monitor-only) layers are not in ComputeCopies: preparing a replay must refresh their
+    compute copy, since the captured graph reads it and runs no Python."""
+    from megasparse.sparse24.gemm import Sparse24Gemm
+
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    mgr = SparsityManager({"fc": w}, SparsityConfig(enabled=True, refresh_interval=1000), total_steps=100)
+    gemm = Sparse24Gemm(mgr, "fc", w, torch.bfloat16, mvue=False)
+    gemm.fwd(torch.randn(4, 16, dtype=torch.bfloat16), None)
+    mgr._go_dense()
+    key = gemm.prepare_replay()
+    w.data.add_(0.5)  # the optimizer's step, no version bump
+    mgr.updates += 1
+    assert gemm.prepare_replay() == key  # refreshed in place: same buffer, no re-capture
+    assert torch.equal(gemm._w, w.detach().to(torch.bfloat16))

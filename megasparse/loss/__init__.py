@@ -37,7 +37,8 @@ def _log_choice(reason: str) -> None:
     """Say each distinct impl=auto decision once per process (the shapes of a run are fixed), on the first rank's
     console like the trainer's other one-time choices (the 2:4 autotune's), and to the logger."""
     log.info(reason)
-    if os.environ.get("RANK", "0") == "0":
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(reason, flush=True)
 
 

@@ -49,16 +49,16 @@ if triton is not None:
     def _load_gate_up(
         z_ptr, idx_ptr, n, f, sz0, sz1, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr
     ):
-        r = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        # int64 offsets throughout: a column-major z read through row indices spans rows x 2f elements
+        r = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        c = (tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)).to(tl.int64)
         ok = (r[:, None] < n) & (c[None, :] < f)
         if GATHER:  # row r of the result reads z's row idx[r]
             src = tl.load(idx_ptr + r, mask=r < n, other=0).to(tl.int64)
         else:
-            src = r.to(tl.int64)
-        zg = z_ptr + src[:, None] * sz0 + c[None, :] * sz1
-        g = tl.load(zg, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(zg + f * sz1, mask=ok, other=0.0).to(tl.float32)
+            src = r
+        g = tl.load(z_ptr + src[:, None] * sz0 + c[None, :] * sz1, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(z_ptr + src[:, None] * sz0 + (c[None, :] + f) * sz1, mask=ok, other=0.0).to(tl.float32)
         return r, c, ok, g, up
 
     @triton.jit
@@ -77,10 +77,9 @@ if triton is not None:
         r, c, ok, g, up = _load_gate_up(z_ptr, idx_ptr, n, f, sz0, sz1, GATHER, BLOCK_N, BLOCK_F)
         go = tl.load(go_ptr + r[:, None] * sg0 + c[None, :] * sg1, mask=ok, other=0.0).to(tl.float32)
         a, da = _act(g, GELU)
-        d = dz_ptr + r[:, None] * sd0 + c[None, :] * sd1
         ty = dz_ptr.dtype.element_ty
-        tl.store(d, (go * up * da).to(ty), mask=ok)
-        tl.store(d + f * sd1, (go * a).to(ty), mask=ok)
+        tl.store(dz_ptr + r[:, None] * sd0 + c[None, :] * sd1, (go * up * da).to(ty), mask=ok)
+        tl.store(dz_ptr + r[:, None] * sd0 + (c[None, :] + f) * sd1, (go * a).to(ty), mask=ok)
 
 
 def _like_layout(shape: tuple[int, int], ref: torch.Tensor) -> torch.Tensor:

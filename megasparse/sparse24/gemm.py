@@ -79,6 +79,7 @@ class Sparse24Gemm:
         if st is None:
             return None, None
         if self.param.dtype == self.dtype:
+            st.use_sparse = self.use_sparse  # the manager's own state: the autotune's switch reaches it too
             return st, self.param
         wt = self._copy()
         mask = self.manager.masks[self.name]
@@ -94,14 +95,14 @@ class Sparse24Gemm:
     def prepare_replay(self) -> tuple:
         """Bring the operands up to date on the host, as a forward would (a replayed CUDA graph runs none of this
         code), and name the buffers the GEMMs read: when the key changes, the graph must be captured again."""
-        st, wt = self._operands()
-        if st is None:
-            return (self.name, None)
-        st.refresh(wt)
 
         def at(t: torch.Tensor | None) -> int | None:  # storage, not the Python object: aliases are made per refresh
             return None if t is None else t.data_ptr()
 
+        st, wt = self._operands()
+        if st is None:  # dense phase or monitor-only: the graph reads the plain copy, which nothing else refreshes
+            return (self.name, None, at(self.operand()))
+        st.refresh(wt)
         return (self.name, self.use_sparse, st.mask_version, at(st.packed), at(st.packed_t), at(st._masked), at(wt))
 
     def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
