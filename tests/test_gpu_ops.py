@@ -123,3 +123,17 @@ def test_accumulate_mm_adds_an_fp32_product_in_place(shape):
     assert out.data_ptr() == ptr
     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-5, err  # fp32 output: far below bf16's 4e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sparse_gemm_verdict_is_printed_once_per_shape(capsys):
+    """The run says which 2:4 GEMM shapes run on cuSPARSELt and which fall back to dense GEMMs."""
+    from megasparse.sparse24 import linear as lin
+
+    lin.PLANS.reset()
+    dev = torch.device("cuda")
+    a = lin.decide(256, 128, 512, torch.bfloat16, dev, False)
+    b = lin.decide(256, 128, 512, torch.bfloat16, dev, False)
+    out = capsys.readouterr().out
+    assert a is b and out.count("sparse24: shape [256, 128] x 512 rows bfloat16") == 1
+    assert ("-> cuSPARSELt" in out) == a["sparse"]

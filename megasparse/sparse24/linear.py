@@ -186,11 +186,15 @@ def decide(out_f: int, in_f: int, n: int, dtype: torch.dtype, device: torch.devi
 
         tw_s, tw_d = _cuda_time(sparse_wgrad), _cuda_time(dense_wgrad)
         res.update(sparse_wgrad=tw_s < tw_d, t_wgrad_sparse_ms=tw_s, t_wgrad_dense_ms=tw_d)
-    log.info(
-        "sparse24: shape [%d, %d] x %d tokens %s: fwd+dgrad sparse %.3f ms vs dense %.3f ms -> %s; wgrad -> %s",
-        out_f, in_f, n, dtype, t_sparse, t_dense, "cuSPARSELt" if res["sparse"] else "dense fallback",
-        "cuSPARSELt" if res["sparse_wgrad"] else "dense",
-    )  # fmt: skip
+    msg = (
+        f"sparse24: shape [{out_f}, {in_f}] x {n} rows {str(dtype).replace('torch.', '')}: fwd+dgrad cuSPARSELt "
+        f"{t_sparse:.3f} ms vs dense {t_dense:.3f} ms -> {'cuSPARSELt' if res['sparse'] else 'dense GEMMs'}; "
+        f"wgrad -> {'cuSPARSELt' if res['sparse_wgrad'] else 'dense'}"
+    )
+    log.info(msg)
+    # the run says which shapes chose what (issue 11), once per shape, on the first rank's console
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
     PLANS.plans[key] = res
     return res
 
