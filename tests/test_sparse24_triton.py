@@ -125,7 +125,7 @@ def _activation() -> None:
 
 
 def _pack() -> None:
-    import megasparse.sparse24.linear as lin
+    import megasparse.sparse24.pack as pack
     from megasparse.sparse24.masks import transposable_mask_reference
 
     for shape in ((24, 40), (136, 264)):  # partial tiles in both directions
@@ -136,12 +136,12 @@ def _pack() -> None:
             r, c = w.shape
             out = torch.full((c, r // 2) if transpose else (r, c // 2), float("nan"), dtype=w.dtype)
             ba, bb = (8, 16) if transpose else (4, 16)
-            grid = (lin.triton.cdiv(r, 4 * ba if transpose else ba), lin.triton.cdiv(c, bb if transpose else 4 * bb))
+            grid = (pack.triton.cdiv(r, 4 * ba if transpose else ba), pack.triton.cdiv(c, bb if transpose else 4 * bb))
             # the public wrapper only launches the kernel for CUDA tensors; call it directly here
-            lin._pack_kernel[grid](
+            pack._pack_kernel[grid](
                 w, m8, out, r, c, w.stride(0), m8.stride(0), out.stride(0), TRANS=transpose, BA=ba, BB=bb
             )  # fmt: skip
-            assert torch.equal(out, lin.pack_values_reference(w, m, transpose)), (shape, transpose)
+            assert torch.equal(out, pack.pack_values_reference(w, m, transpose)), (shape, transpose)
 
 
 if __name__ == "__main__":
