@@ -23,7 +23,11 @@ SCRIPT = ROOT / "benchmarks" / "bench_sparse24_block.py"
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bsb") / "bench.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(out.parent))
+    # the script makes its own one-rank group: a rank/port left in the environment by an earlier test of the same
+    # session (a module fixture's process group) must not be inherited
+    rank_env = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in rank_env}
+    env.update(OMP_NUM_THREADS="1", OUT=str(out.parent))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--small", "--out", str(out)],
         cwd=ROOT,
