@@ -95,30 +95,41 @@ def run_mode(cfg, impl: str, warmup: int, steps: int) -> dict:
     return r
 
 
-def run(a: argparse.Namespace) -> int:
-    cfg_path, gpus, layout_ov = LAYOUTS[a.layout]
+def open_layout(tool: str, layout: str, overrides: list[str], modes: list[str]):
+    """The layout's base config and every mode's, validated before any process group exists, then the groups:
+    (config path, base overrides, base config, world, device, device string); None after a one-line error."""
+    cfg_path, gpus, layout_ov = LAYOUTS[layout]
     world = state.world_env()[1]
     if world != gpus:
-        print(f"bench_e2e: layout {a.layout} needs {gpus} ranks (torchrun --nproc_per_node {gpus}), got {world}")
-        return 2
-    modes = [m for m in a.modes.split(",") if m]
+        print(f"{tool}: layout {layout} needs {gpus} ranks (torchrun --nproc_per_node {gpus}), got {world}")
+        return None
     bad = [m for m in modes if m not in MODES]
     if bad:
-        print(f"bench_e2e: unknown --modes {bad}; use {list(MODES)}", file=sys.stderr)
-        return 2
-    base_ov = layout_ov + list(a.overrides)
+        print(f"{tool}: unknown modes {bad}; use {list(MODES)}", file=sys.stderr)
+        return None
+    base_ov = layout_ov + list(overrides)
     try:
         base = load_config(str(ROOT / cfg_path), base_ov)
         base.validate(world)
         for m in modes:
             load_config(str(ROOT / cfg_path), base_ov + MODES[m]).validate(world)
     except ConfigError as e:
-        print(f"bench_e2e: error: {e}", file=sys.stderr)
-        return 2
+        print(f"{tool}: error: {e}", file=sys.stderr)
+        return None
     p = base.parallel
     state.init(p.tp, p.pp, p.sequence_parallel, p.backend)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = f"{world}x {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else f"{world}x cpu"
+    return cfg_path, base_ov, base, world, dev, device
+
+
+def run(a: argparse.Namespace) -> int:
+    modes = [m for m in a.modes.split(",") if m]
+    opened = open_layout("bench_e2e", a.layout, a.overrides, modes)
+    if opened is None:
+        return 2
+    cfg_path, base_ov, base, world, dev, device = opened
+    p = base.parallel
     vocab_padded = base.padded_vocab(bt.build_data(base)[2])
     m = base.model
     report: dict = {

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e as be  # noqa: E402
 import bench_trainer as bt  # noqa: E402
 
-from megasparse.config import ConfigError, load_config  # noqa: E402
+from megasparse.config import load_config  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 from megasparse.train import Trainer  # noqa: E402
 
@@ -106,26 +106,16 @@ def _split_pair(text: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg_path, gpus, layout_ov = be.LAYOUTS[a.layout]
-    world = state.world_env()[1]
-    if world != gpus:
-        print(f"bench_pair: layout {a.layout} needs {gpus} ranks (torchrun --nproc_per_node {gpus}), got {world}")
-        return 2
     try:
         pairs = [_split_pair(x) for x in a.pairs.split(",") if x]
-        base_ov = layout_ov + list(a.overrides)
-        base = load_config(str(be.ROOT / cfg_path), base_ov)
-        base.validate(world)
-        for pa, pb in pairs:
-            for m in (pa, pb):
-                load_config(str(be.ROOT / cfg_path), base_ov + be.MODES[m]).validate(world)
-    except (ConfigError, ValueError) as e:
+    except ValueError as e:
         print(f"bench_pair: error: {e}", file=sys.stderr)
         return 2
+    opened = be.open_layout("bench_pair", a.layout, a.overrides, sorted({m for pair in pairs for m in pair}))
+    if opened is None:
+        return 2
+    cfg_path, base_ov, base, world, dev, device = opened
     p = base.parallel
-    state.init(p.tp, p.pp, p.sequence_parallel, p.backend)
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = f"{world}x {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else f"{world}x cpu"
     m = base.model
     report: dict = {
         "device": device,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megasparse.ops.compact import CompactGrad
+from megasparse.ops.compact import CompactGrad, KeepMeta, rows_of
 from megasparse.ops.glu import glu_backward_triton, glu_forward_triton
 from megasparse.ops.rmsnorm_kernels import (
     rms_backward,
@@ -29,14 +29,12 @@ def _rms_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rms_bwd(
-    x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float, rows: torch.Tensor | None = None
+    x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float, meta: KeepMeta | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows``: g holds only these rows of x (the compact backward)."""
+    """``meta``: g holds only its kept rows of x (the compact backward)."""
     if x.is_cuda and triton is not None:
-        return rms_backward(x, w, g, eps, rows=rows)
-    if rows is not None:
-        x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
-    return rms_backward_reference(x, w, g, eps)
+        return rms_backward(x, w, g, eps, rows=None if meta is None else meta.idx)
+    return rms_backward_reference(x if meta is None else rows_of(x, meta), w, g, eps)
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -50,7 +48,7 @@ class RMSNormFn(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         if isinstance(g, CompactGrad):
-            dx, dw = _rms_bwd(x, w, g.rows, ctx.eps, rows=g.meta.idx)
+            dx, dw = _rms_bwd(x, w, g.rows, ctx.eps, meta=g.meta)
             return CompactGrad(dx, g.meta, x.shape), dw.to(w.dtype), None
         dx, dw = _rms_bwd(x, w, g, ctx.eps)
         return dx, dw.to(w.dtype), None
@@ -70,13 +68,11 @@ def _swiglu_bwd(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.cat([da, db], dim=-1).to(x.dtype)
 
 
-def _swiglu_bwd_any(x2d: torch.Tensor, g2d: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``rows``: g2d holds only these rows of x2d (the compact backward)."""
+def _swiglu_bwd_any(x2d: torch.Tensor, g2d: torch.Tensor, meta: KeepMeta | None = None) -> torch.Tensor:
+    """``meta``: g2d holds only its kept rows of x2d (the compact backward)."""
     if x2d.is_cuda:  # the fused Triton kernel (ops/glu.py), shared with the sparse FFN
-        return glu_backward_triton(x2d, g2d.contiguous(), "swiglu", rows=rows)
-    if rows is not None:
-        x2d = x2d.index_select(0, rows)
-    return _swiglu_bwd(x2d, g2d)
+        return glu_backward_triton(x2d, g2d.contiguous(), "swiglu", rows=None if meta is None else meta.idx)
+    return _swiglu_bwd(x2d if meta is None else rows_of(x2d, meta), g2d)
 
 
 class SwiGLUFn(torch.autograd.Function):
@@ -93,10 +89,9 @@ class SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        if isinstance(g, CompactGrad):
-            x2d = x.reshape(-1, x.shape[-1])
-            return CompactGrad(_swiglu_bwd_any(x2d, g.rows, rows=g.meta.idx), g.meta, x.shape)
         x2d = x.reshape(-1, x.shape[-1])
+        if isinstance(g, CompactGrad):
+            return CompactGrad(_swiglu_bwd_any(x2d, g.rows, meta=g.meta), g.meta, x.shape)
         return _swiglu_bwd_any(x2d, g.reshape(-1, g.shape[-1])).view(x.shape)
 
 

@@ -225,11 +225,9 @@ class Sparse24Weight:
         # Only the operands the GEMMs read are rebuilt here: at a shape where every GEMM runs sparse, W ⊙ M is
         # unused, and where the per-shape plans all chose dense GEMMs the packed values are (2.9 and 2.7 ms a
         # step on TinyLlama, one H100). Until the GEMMs have run once with these plans, both are built.
-        if self.source_masked:
-            self._masked, self._masked_at = self._w, self.version
         if self._masked is not None and self._masked.shape != self._w.shape:
             self._masked = None
-        if self._masked is not None and self._wants("masked") and not self.source_masked:
+        if self._masked is not None and self._wants("masked"):  # never made when source_masked
             # in place: a captured step (megasparse/cudagraph.py) keeps reading this buffer
             torch.mul(self._w, self.mask, out=self._masked)
             self._masked_at = self.version
