@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from megasparse.loss import LossConfig, vocab_order, vocab_parallel_loss
+from megasparse.loss import LossConfig, cce_fused, vocab_order, vocab_parallel_loss
 from megasparse.loss.cce_launch import KernelConfig, triton_shard_backward, triton_shard_forward
 
 SHAPES = {"gemma2-2b": (8192, 256000, 2304), "llama3-8b": (8192, 128256, 4096)}
@@ -120,13 +120,38 @@ def fwd_bwd_runner(name: str, h, w, t):
 
     hh = h.detach().requires_grad_()
     ww = w.detach().requires_grad_()
+    fused = "cublas" not in name  # megasparse-cce-cublas: the GEMM backend's cuBLAS logit pass (before decision 0204)
 
     def run():
         hh.grad = None
         ww.grad = None
-        loss_fn(hh, ww).backward()
+        cce_fused.ENABLED = fused
+        try:
+            loss_fn(hh, ww).backward()
+        finally:
+            cce_fused.ENABLED = True
 
     return run, hh, ww
+
+
+def fp64_grads(h, w, t, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dE, dC) of the summed loss in fp64, over vocabulary chunks (the [n, V] fp64 logits would not fit)."""
+    h64 = h.double()
+    n, v = h.shape[0], w.shape[0]
+    lse = torch.full((n,), float("-inf"), dtype=torch.float64, device=h.device)
+    for v0 in range(0, v, chunk):
+        lse = torch.logaddexp(lse, torch.logsumexp(h64 @ w[v0 : v0 + chunk].double().T, 1))
+    de = torch.zeros_like(h64)
+    dc = torch.empty(w.shape, dtype=torch.float64, device=h.device)
+    rows = torch.arange(n, device=h.device)
+    for v0 in range(0, v, chunk):
+        wc = w[v0 : v0 + chunk].double()
+        p = torch.exp(h64 @ wc.T - lse[:, None])
+        inside = (t >= v0) & (t < v0 + wc.shape[0])
+        p[rows[inside], t[inside] - v0] -= 1.0
+        de += p @ wc
+        dc[v0 : v0 + wc.shape[0]] = p.T @ h64
+    return de, dc
 
 
 def measure(name, h, w, t) -> dict:
@@ -204,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="gemma2-2b,llama3-8b")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--fp64", action="store_true", help="gradient error of every method against an fp64 reference")
     ap.add_argument("--gemm-sweep", action="store_true", help="sweep the GEMM backend's chunk and sparse tilings")
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_name()
@@ -212,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_check:
         correctness(rows)
     table = []
-    methods = ("megasparse-cce", "megasparse-cce-fp32dE", "megasparse-cce-tiles-sort", "apple-cce", "liger-flce",
-               "torch-materialised")  # fmt: skip
+    methods = ("megasparse-cce", "megasparse-cce-cublas", "megasparse-cce-fp32dE", "megasparse-cce-tiles-sort",
+               "apple-cce", "liger-flce", "torch-materialised")  # fmt: skip
     for shape in args.shapes.split(","):
         n, v, d = SHAPES[shape]
         h, w, t = make_inputs(n, v, d)
@@ -224,27 +250,33 @@ def main(argv: list[str] | None = None) -> int:
         res = {m: measure(m, h, w, t) for m in methods}
         anchor = res["torch-materialised"]
         a_de, a_dc = anchor.pop("de", None), anchor.pop("dc", None)
+        r_de, r_dc = fp64_grads(h, w, t) if args.fp64 else (None, None)
         for m in methods:
             r = res[m]
-            de, dc = r.pop("de", None), r.pop("dc", None)
+            de, dc = (a_de, a_dc) if m == "torch-materialised" else (r.pop("de", None), r.pop("dc", None))
             if de is not None and a_de is not None:
                 r["de_rel_vs_torch"], r["dc_rel_vs_torch"] = rel(de, a_de), rel(dc, a_dc)
+            if de is not None and r_de is not None:
+                r["de_rel_vs_fp64"], r["dc_rel_vs_fp64"] = rel(de, r_de), rel(dc, r_dc)
+            del de, dc
             r.update(shape=shape, kind="bench", ratio_vs_torch=r["ms"] / anchor["ms"])
             r["ratio_vs_apple"] = r["ms"] / res["apple-cce"]["ms"]
             rows.append(r)
             table.append(r)
-        del a_de, a_dc
+        del a_de, a_dc, r_de, r_dc
         del h, w, t
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(dict(device=dev, torch=torch.__version__, time=time.time(), rows=rows), f, indent=1)
     print(
         f"\n{'shape':<11}{'method':<27}{'ms':>9}{'extra MB':>10}{'x torch':>9}{'x apple':>9}{'dE rel':>9}{'dC rel':>9}"
+        f"{'dE f64':>9}{'dC f64':>9}"
     )
     for r in table:
         print(f"{r['shape']:<11}{r['method']:<27}{r['ms']:>9.2f}{r['extra_mb']:>10.1f}{r['ratio_vs_torch']:>9.2f}"
               f"{r['ratio_vs_apple']:>9.2f}{r.get('de_rel_vs_torch', float('nan')):>9.1e}"
-              f"{r.get('dc_rel_vs_torch', float('nan')):>9.1e}")  # fmt: skip
+              f"{r.get('dc_rel_vs_torch', float('nan')):>9.1e}{r.get('de_rel_vs_fp64', float('nan')):>9.1e}"
+              f"{r.get('dc_rel_vs_fp64', float('nan')):>9.1e}")  # fmt: skip
     print(f"device: {dev}")
     return 0
 

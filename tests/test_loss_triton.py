@@ -138,7 +138,41 @@ def _run_gemm_cases() -> None:
             err = float((a.detach().double() - b).norm() / b.norm())
             assert err < 1e-5, ("gemm", i, name, err)
         assert hh.grad[5].eq(0).all() and ww.grad[v:].eq(0).all()
+        _check_fused(h, w, t, v, sc, gs, gt, lse, r_lse, r_tg, r_e, r_c)
         print(f"gemm case {i} ok")
+
+
+def _check_fused(h, w, t, v, sc, gs, gt, lse, r_lse, r_tg, r_e, r_c) -> None:
+    """The fused logit passes (cce_fused.py, TMA descriptors): through the backend at its own tiling, and directly at
+    a small tiling with several row groups, a ragged last tile and a forward split over vocabulary launches."""
+    import torch
+
+    from megasparse.loss import cce_fused
+    from megasparse.loss.cce_gemm import gemm_shard_backward, gemm_shard_forward
+
+    f_lse, f_tg = gemm_shard_forward(h, w, t, v, sc, fused=True)
+    torch.testing.assert_close(f_lse, r_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(f_tg, r_tg, rtol=1e-5, atol=1e-5)
+    for chunk in (None, 128):  # one P chunk; P chunks narrower than a tile with a ragged last one
+        d_e, d_c = gemm_shard_backward(h, w, t, lse, gs, gt, v, sc, chunk=chunk, fused=True)
+        torch.testing.assert_close(d_e, r_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(d_c, r_c, rtol=1e-5, atol=1e-5)
+    small = cce_fused.TileConfig(block_m=16, block_v=32, block_d=16, group=2, num_warps=4, num_stages=1)
+    t32 = t.to(torch.int32)
+    for budget in (4 * h.shape[0], 3 * 4 * h.shape[0], 2**20):  # 1 or 3 tiles per launch, or all in one
+        s_lse, s_tg = cce_fused.lse_pass(h, w, t32, v, sc, budget, small)
+        torch.testing.assert_close(s_lse, r_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s_tg, r_tg, rtol=1e-5, atol=1e-5)
+    p = torch.full((h.shape[0], 100), float("nan"))
+    cce_fused.grad_pass(h, w, t32, lse, gs.float(), gt.float(), 70, p, sc, small)
+    logits = h.double() @ w[70:170].double().T
+    th = torch.tanh(logits / sc) if sc else None
+    x = sc * th if sc else logits
+    ref = gs.double()[:, None] * torch.exp(x - lse.double()[:, None])
+    ref -= gt.double()[:, None] * torch.nn.functional.one_hot((t - 70).clamp(0, 100), 101)[:, :100] * (t >= 70)[:, None]
+    if sc:
+        ref *= 1 - th * th
+    torch.testing.assert_close(p.double(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_kernels_interpreted():

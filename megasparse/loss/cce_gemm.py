@@ -11,6 +11,9 @@ every FLOP runs in a vendor GEMM and nothing is added under a lock:
   row lives in one chunk) and dE += P·W_c (cuBLAS accumulates in fp32 and rounds once per chunk, instead of once
   per 128-column tile under a lock).
 
+On sm_90+ in bf16/fp16 both logit passes run fused instead (``cce_fused.py``, decision 0204): the logit tiles stay in
+registers, so neither S nor ``_stats_kernel``/``_grad_kernel`` is needed and the scratch holds P alone.
+
 Memory is bounded by the chunk: ``backward_chunks`` keeps S (fp32) and P under ``CHUNK_BYTES`` whatever the row count,
 so the [rows, V] logits never exist. The work is 8·N·V·D FLOPs (the materialised loss does 6·N·V·D plus several
 passes over fp32 logits): decision 0203 has the measurements. This path is exact: ``loss.filter_eps`` and
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megasparse.loss import cce_fused
 from megasparse.loss.cce_kernels import tl, triton
 from megasparse.ops.wgrad import accumulate_mm
 
@@ -36,6 +40,9 @@ LOGITS_FP32 = True
 P_PER_S = 4
 """With S in fp32: P chunks span this many S sub-chunks (48 MB: S 512 and P 2048 columns at 8192 rows; the Llama-shape
 backward took 40.8 ms against 42.5 at S = P = 1024 and 44.6 at S 768 / P 1536, H100)."""
+P_BYTES = 56 * 2**20
+"""Bound on the fused backward's one chunk buffer, P ([rows, c] in the input dtype): 3584 columns at 8192 rows, the
+fastest of 44–60 MB on both shapes (H100, decision 0204); within the issue's 64 MB of extra memory."""
 _MIN_COLS = 256
 
 if triton is not None:
@@ -107,12 +114,12 @@ def _s_dtype(h: Tensor) -> torch.dtype:
     return torch.float32 if LOGITS_FP32 or h.dtype == torch.float64 else h.dtype
 
 
-def chunk_cols(n_rows: int, n_cols: int, bytes_per_col: int, budget: int | None = None) -> int:
+def chunk_cols(n_rows: int, n_cols: int, bytes_per_col: int, budget: int | None = None, align: int = 128) -> int:
     """Vocabulary columns per chunk when each column costs ``bytes_per_col`` per row: within ``budget`` (a multiple of
-    128 so the GEMMs tile evenly; at least ``_MIN_COLS`` so a huge row count still gets GEMM-sized chunks)."""
+    ``align`` so the GEMMs tile evenly; at least ``_MIN_COLS`` so a huge row count still gets GEMM-sized chunks)."""
     budget = CHUNK_BYTES if budget is None else budget
     c = budget // max(1, n_rows * bytes_per_col)
-    c = max(_MIN_COLS, c // 128 * 128)
+    c = max(_MIN_COLS, c // align * align)
     return min(c, n_cols)
 
 
@@ -156,16 +163,31 @@ def _blocks(h: Tensor, kind: str) -> tuple[int, int]:
     return (8, 512) if kind == "stats" else (32, 256)
 
 
+def _fused(h: Tensor, w: Tensor, fused: bool | None) -> bool:
+    return cce_fused.usable(h, w) if fused is None else fused
+
+
 def gemm_shard_forward(
-    h: Tensor, w: Tensor, tgt: Tensor, n_valid: int, softcap: float | None = None, chunk: int | None = None
+    h: Tensor,
+    w: Tensor,
+    tgt: Tensor,
+    n_valid: int,
+    softcap: float | None = None,
+    chunk: int | None = None,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(lse [n] fp32, target logit [n] fp32, 0 where the target is in another shard) of this vocabulary slice."""
+    """(lse [n] fp32, target logit [n] fp32, 0 where the target is in another shard) of this vocabulary slice.
+
+    ``fused`` (default: where ``cce_fused.usable``) keeps the logit tiles in registers (``cce_fused.lse_pass``)."""
     n, _ = h.shape
     lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
     tlogit = torch.zeros(n, dtype=torch.float32, device=h.device)
     if n == 0 or n_valid == 0:
         return lse, tlogit
     h = h.contiguous()
+    if _fused(h, w, fused):
+        t32 = tgt.to(torch.int32).contiguous()
+        return cce_fused.lse_pass(h, w.contiguous(), t32, n_valid, softcap, chunk * n * 4 if chunk else CHUNK_BYTES)
     s_dt = _s_dtype(h)
     c_max = chunk or chunk_cols(n, n_valid, s_dt.itemsize)
     buf = _scratch(n, c_max, s_dt, h.device)
@@ -194,12 +216,14 @@ def gemm_shard_backward(
     chunk: int | None = None,
     sub: int | None = None,
     dc_out: Tensor | None = None,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(dE [n, D] in h.dtype, dC [V_local, D] in w.dtype) for dlogits = gs·softmax(S − lse) − gt·onehot(tgt).
 
     ``accum_fp32`` keeps the running dE in fp32 ([n, D] scratch) instead of rounding it to the input dtype after
-    every chunk. ``chunk``/``sub`` override the P and S widths (tests, sweeps). ``dc_out`` (fp32): each chunk's
-    dC GEMM adds into it (no compute-dtype dC, no cast, no separate add) and None is returned for dC."""
+    every chunk. ``chunk``/``sub`` override the P and S widths (tests, sweeps; ``sub`` is the cuBLAS pass's).
+    ``dc_out`` (fp32): each chunk's dC GEMM adds into it (no compute-dtype dC, no cast, no separate add) and None is
+    returned for dC. ``fused`` (default: where ``cce_fused.usable``) forms P in the logit GEMM's epilogue."""
     n, d = h.shape
     h, w = h.contiguous(), w.contiguous()
     d_c = None
@@ -213,27 +237,40 @@ def gemm_shard_backward(
             d_c.zero_()
         return torch.zeros(n, d, dtype=h.dtype, device=h.device), d_c
     d_e = torch.empty(n, d, dtype=acc_dtype, device=h.device)  # the first chunk writes it, the others add
-    s_dt = _s_dtype(h)
-    cs, cp = backward_chunks(n, n_valid, h.element_size(), s_dt.itemsize)
-    cp = chunk or cp
-    cs = min(cp, sub or (cp if s_dt == h.dtype else cs))
-    s_buf = _scratch(n, cs, s_dt, h.device)
-    inplace = s_dt == h.dtype and cs == cp  # P overwrites S
-    p_buf = s_buf if inplace else _scratch(n, cp, h.dtype, h.device)
     t32 = tgt.to(torch.int32).contiguous()
     lse, gs, gt = (x.float().contiguous() for x in (lse, gs, gt))
-    br, bc = _blocks(h, "grad")
+    if _fused(h, w, fused):  # P straight from the logit tiles in registers: no S buffer
+        cp = min(n_valid, chunk or chunk_cols(n, n_valid, h.element_size(), P_BYTES, cce_fused.BWD.block_v))
+        p_buf = _scratch(n, cp, h.dtype, h.device)
+        descs = cce_fused.descriptors(h, w)
+
+        def fill(p: Tensor, v0: int) -> None:
+            cce_fused.grad_pass(h, w, t32, lse, gs, gt, v0, p, softcap, descs=descs)
+    else:
+        s_dt = _s_dtype(h)
+        cs, cp = backward_chunks(n, n_valid, h.element_size(), s_dt.itemsize)
+        cp = chunk or cp
+        cs = min(cp, sub or (cp if s_dt == h.dtype else cs))
+        s_buf = _scratch(n, cs, s_dt, h.device)
+        inplace = s_dt == h.dtype and cs == cp  # P overwrites S
+        p_buf = s_buf if inplace else _scratch(n, cp, h.dtype, h.device)
+        br, bc = _blocks(h, "grad")
+
+        def fill(p: Tensor, v0: int) -> None:
+            c = p.shape[1]
+            for s0 in range(0, c, cs):  # S sub-chunks fill P's columns
+                cw = min(cs, c - s0)
+                s = _mm_into(h, w[v0 + s0 : v0 + s0 + cw].t(), _view(s_buf, n, cw))
+                ps = p[:, s0 : s0 + cw]
+                _grad_kernel[(triton.cdiv(n, br), triton.cdiv(cw, bc))](
+                    s, ps, lse, gs, gt, t32, n, cw, v0 + s0, s.stride(0), ps.stride(0), float(softcap or 1.0),
+                    HAS_SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=4,
+                )  # fmt: skip
+
     for v0 in range(0, n_valid, cp):
         c = min(cp, n_valid - v0)
         p = _view(p_buf, n, c)
-        for s0 in range(0, c, cs):  # S sub-chunks fill P's columns
-            cw = min(cs, c - s0)
-            s = _mm_into(h, w[v0 + s0 : v0 + s0 + cw].t(), _view(s_buf, n, cw))
-            ps = p[:, s0 : s0 + cw]
-            _grad_kernel[(triton.cdiv(n, br), triton.cdiv(cw, bc))](
-                s, ps, lse, gs, gt, t32, n, cw, v0 + s0, s.stride(0), ps.stride(0), float(softcap or 1.0),
-                HAS_SOFTCAP=softcap is not None, BLOCK_R=br, BLOCK_C=bc, num_warps=4,
-            )  # fmt: skip
+        fill(p, v0)
         wc = w[v0 : v0 + c]
         if d_c is None:
             accumulate_mm(dc_out[v0 : v0 + c], p.t(), h)
