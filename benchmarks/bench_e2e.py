@@ -9,8 +9,10 @@ train.dtype=fp32`` and tiny model overrides every megasparse mode runs on gloo r
 marked skipped; CPU times mean nothing).
 
 Layouts (``LAYOUTS``): ``1gpu_tinyllama`` (22 layers), ``2gpu_8b_tp2sp`` and ``4gpu_8b_tp2pp2sp`` (Llama-3-8B-shaped
-layers, 8 of them), ``4gpu_tinyllama_tp2pp2sp``. In each, for every micro-batch size: megatron-core's GPTModel with
-flash attention (``benchmarks/mcore_anchor.py``, the anchor) and megasparse in every mode of ``MODES``, same
+layers, 8 of them), ``4gpu_tinyllama_tp2pp2sp``, and ``1gpu_8b4l`` (4 Llama-3-8B-shaped layers with the 8B vocabulary
+on one GPU, where no multi-GPU machine is lent). In each, for every micro-batch size: megatron-core's GPTModel with
+flash attention (``benchmarks/mcore_anchor.py``, the anchor) and megasparse in every mode of ``MODES`` (or those of
+``--modes``, which also takes ``EXTRA_MODES``: the dense step with the loss pinned), same
 shapes, same global batch, same process group and call. Each case warms up, then times synchronised steps
 (median over steps, slowest rank). ``host_syncs_per_step`` counts, over one extra step, the synchronisations
 ``torch.cuda.set_sync_debug_mode("warn")`` reports (values read on the host: ``.item()``, ``nonzero``, copies to
@@ -51,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     # name: (config, GPUs, overrides)
     "1gpu_tinyllama": ("configs/gpu_1b_1gpu.yaml", 1, ["data.prefix=synthetic", "train.global_batch_size=8"]),
+    "1gpu_8b4l": ("configs/gpu_8b4l_1gpu.yaml", 1, []),
     "2gpu_8b_tp2sp": ("configs/gpu_8b8l_tp2_sp.yaml", 2, []),
     "4gpu_8b_tp2pp2sp": ("configs/gpu_8b8l_tp2_pp2_sp.yaml", 4, []),
     "4gpu_tinyllama_tp2pp2sp": (
@@ -71,6 +74,11 @@ MODES: dict[str, list[str]] = {
     "collider+2:4": _COLLIDER + _SPARSE,
     "all three": _COLLIDER + _CCE + _SPARSE,
 }
+EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense step with each loss pinned
+    "loss=torch": ["loss.impl=torch"],
+    "loss=mcore": ["loss.impl=mcore"],
+}
+ALL_MODES = {**MODES, **EXTRA_MODES}
 ANCHOR = "mcore-sdpa"
 
 
@@ -95,6 +103,11 @@ def run_mode(cfg, impl: str, warmup: int, steps: int) -> dict:
     return r
 
 
+def mode_overrides(mode: str) -> list[str]:
+    """A mode's config overrides (the default matrix's or a pinned loss's)."""
+    return ALL_MODES[mode]
+
+
 def open_layout(tool: str, layout: str, overrides: list[str], modes: list[str]):
     """The layout's base config and every mode's, validated before any process group exists, then the groups:
     (config path, base overrides, base config, world, device, device string); None after a one-line error."""
@@ -103,16 +116,16 @@ def open_layout(tool: str, layout: str, overrides: list[str], modes: list[str]):
     if world != gpus:
         print(f"{tool}: layout {layout} needs {gpus} ranks (torchrun --nproc_per_node {gpus}), got {world}")
         return None
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in ALL_MODES]
     if bad:
-        print(f"{tool}: unknown modes {bad}; use {list(MODES)}", file=sys.stderr)
+        print(f"{tool}: unknown modes {bad}; use {list(ALL_MODES)}", file=sys.stderr)
         return None
     base_ov = layout_ov + list(overrides)
     try:
         base = load_config(str(ROOT / cfg_path), base_ov)
         base.validate(world)
         for m in modes:
-            load_config(str(ROOT / cfg_path), base_ov + MODES[m]).validate(world)
+            load_config(str(ROOT / cfg_path), base_ov + mode_overrides(m)).validate(world)
     except ConfigError as e:
         print(f"{tool}: error: {e}", file=sys.stderr)
         return None
@@ -157,7 +170,7 @@ def run(a: argparse.Namespace) -> int:
             again = name in seen
             seen.add(name)
             impl = ANCHOR if name == ANCHOR else "megasparse"
-            cfg = load_config(str(ROOT / cfg_path), base_ov + mb_ov + ([] if name == ANCHOR else MODES[name]))
+            cfg = load_config(str(ROOT / cfg_path), base_ov + mb_ov + ([] if name == ANCHOR else mode_overrides(name)))
             bt.log0(f"--- {name}{' (again)' if again else ''} micro_batch_size={mb} ---")
             if impl == ANCHOR and dev.type != "cuda":  # a CPU run (smoke test of a layout): megasparse rows only
                 if not again:
@@ -287,7 +300,7 @@ def plot(json_path: str, out_png: str | None = None) -> str:
     rep = json.loads(Path(json_path).read_text())
     cases = [c for c in rep["cases"] if "error" not in c and c["mode"] != ANCHOR]
     mbs = sorted({c["micro_batch_size"] for c in cases})
-    modes = [m for m in MODES if any(c["mode"] == m for c in cases)]
+    modes = [m for m in ALL_MODES if any(c["mode"] == m for c in cases)]
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(modes) * len(mbs) / 2, 3.6))
     width = 0.8 / max(1, len(mbs))
     for i, mb in enumerate(mbs):

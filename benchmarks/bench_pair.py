@@ -88,7 +88,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("layout", choices=list(be.LAYOUTS))
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every trainer")
-    p.add_argument("--pairs", default="dense:2:4,collider:collider+2:4", help="A:B,... (modes of bench_e2e.MODES)")
+    p.add_argument("--pairs", default="dense:2:4,collider:collider+2:4", help="A:B,... (modes of bench_e2e.ALL_MODES)")
     p.add_argument("--micro", default="1")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8)
@@ -99,9 +99,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _split_pair(text: str) -> tuple[str, str]:
     """'dense:2:4' -> ('dense', '2:4'): the first ':' that leaves two known modes."""
     for i, ch in enumerate(text):
-        if ch == ":" and text[:i] in be.MODES and text[i + 1 :] in be.MODES:
+        if ch == ":" and text[:i] in be.ALL_MODES and text[i + 1 :] in be.ALL_MODES:
             return text[:i], text[i + 1 :]
-    raise ValueError(f"--pairs entry {text!r}: use A:B with A and B among {list(be.MODES)}")
+    raise ValueError(f"--pairs entry {text!r}: use A:B with A and B among {list(be.ALL_MODES)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for mb in [int(x) for x in a.micro.split(",")]:
         for pa, pb in pairs:
             cfgs = [
-                load_config(str(be.ROOT / cfg_path), base_ov + [f"train.micro_batch_size={mb}"] + be.MODES[x])
+                load_config(str(be.ROOT / cfg_path), base_ov + [f"train.micro_batch_size={mb}"] + be.mode_overrides(x))
                 for x in (pa, pb)
             ]
             bt.log0(f"--- {pa} vs {pb}, micro_batch_size={mb} ---")

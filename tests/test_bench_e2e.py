@@ -16,7 +16,7 @@ def test_every_mode_of_every_layout_is_a_valid_config() -> None:
     from megasparse.config import load_config
 
     for name, (cfg_path, gpus, ov) in be.LAYOUTS.items():
-        for mode, extra in be.MODES.items():
+        for mode, extra in be.ALL_MODES.items():
             # the layouts are GPU configs: validate their shapes here with the device question left to the GPU
             cpu = ["train.device=auto", "parallel.backend=auto"]
             cfg = load_config(str(be.ROOT / cfg_path), ov + extra + ["train.micro_batch_size=2"] + cpu)
@@ -24,6 +24,9 @@ def test_every_mode_of_every_layout_is_a_valid_config() -> None:
             assert cfg.model.seq_length == 4096, name
             if "collider" in mode:
                 assert cfg.filter.mode == "collider" and cfg.filter.keep_ratio == 0.6
+            if mode.startswith("loss="):
+                assert cfg.loss.impl == mode.split("=")[1]
+    assert set(be.MODES) < set(be.ALL_MODES) and be.mode_overrides("loss=mcore") == ["loss.impl=mcore"]
 
 
 def test_table_and_plot_from_a_report(tmp_path) -> None:
