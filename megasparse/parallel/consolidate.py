@@ -6,14 +6,19 @@ import torch
 import torch.distributed as dist
 
 from megasparse.parallel import comm, state
+from megasparse.parallel.shards import tp_pieces
 
 
 def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torch.Tensor:
-    """Inverse of the TP split: each partition was chunked over ranks separately along ``dim``."""
-    tp = len(shards)
-    per = [p // tp for p in partitions]
-    pieces = [s.split(per, dim=dim) for s in shards]
-    return torch.cat([torch.cat([pieces[r][i] for r in range(tp)], dim=dim) for i in range(len(partitions))], dim=dim)
+    """Inverse of the TP split: each partition was chunked over ranks separately along ``dim``
+    (``shards.tp_pieces``, the placement checkpoints use)."""
+    shape = list(shards[0].shape)
+    shape[dim] = sum(partitions)
+    out = shards[0].new_empty(shape)
+    for rank, s in enumerate(shards):
+        for local, start, n in tp_pieces(partitions, len(shards), rank):
+            out.narrow(dim, start, n).copy_(s.narrow(dim, local, n))
+    return out
 
 
 def full_state_dict(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -75,11 +75,17 @@ def placement(t: torch.Tensor, tp: int, tp_rank: int) -> Placement:
     if spec is None:
         return Placement(shape, 0, ((0, 0, shape[0]),) if shape else (), replicated=True)
     dim, parts = spec
+    full = list(shape)
+    full[dim] = sum(parts)
+    return Placement(tuple(full), dim, tp_pieces(parts, tp, tp_rank), replicated=False)
+
+
+def tp_pieces(parts: list[int], tp: int, tp_rank: int) -> tuple[tuple[int, int, int], ...]:
+    """(local start, global start, length) of TP rank ``tp_rank``'s block of each partition along the split
+    dimension: every partition (q|k|v, gate|up) is chunked over TP separately (``consolidate.unshard`` too)."""
     pieces, local, glob = [], 0, 0
     for size in parts:
         per = size // tp
         pieces.append((local, glob + tp_rank * per, per))
         local, glob = local + per, glob + size
-    full = list(shape)
-    full[dim] = glob
-    return Placement(tuple(full), dim, tuple(pieces), replicated=False)
+    return tuple(pieces)
