@@ -125,11 +125,11 @@ def fwd_bwd_runner(name: str, h, w, t):
     def run():
         hh.grad = None
         ww.grad = None
-        cce_fused.ENABLED = fused
+        prev, cce_fused.ENABLED = cce_fused.ENABLED, fused
         try:
             loss_fn(hh, ww).backward()
         finally:
-            cce_fused.ENABLED = True
+            cce_fused.ENABLED = prev
 
     return run, hh, ww
 
@@ -178,18 +178,44 @@ def measure(name, h, w, t) -> dict:
 
 
 def sweep_gemm(h, w, t, rows: list[dict]) -> None:
-    """Backward of the GEMM backend (the default) at a few (S, P) widths: GEMM efficiency against scratch memory
-    (decision 0203). S is fp32 (the default); P spans one or more S sub-chunks."""
+    """The GEMM backend (the default): the cuBLAS logit pass's backward at a few (S, P) widths (decision 0203; S is
+    fp32, P spans one or more S sub-chunks), then, where usable, the fused passes' tilings and P widths (0204)."""
+    import dataclasses
+
     from megasparse.loss import cce_gemm
 
     n, v = h.shape[0], w.shape[0]
     g = torch.ones(n, device=h.device)
-    lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v)
+    lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v, fused=False)
     for sub, chunk in ((1024, 1024), (768, 1536), (512, 2048), (1024, 2048)):
-        ms = bench_ms(lambda s=sub, c=chunk: cce_gemm.gemm_shard_backward(h, w, t, lse, g, g, v, chunk=c, sub=s))
+        ms = bench_ms(
+            lambda s=sub, c=chunk: cce_gemm.gemm_shard_backward(h, w, t, lse, g, g, v, chunk=c, sub=s, fused=False)
+        )
         mb = n * (sub * 4 + chunk * h.element_size()) / 2**20
         rows.append(dict(kind="gemm_sweep", s_cols=sub, p_cols=chunk, bwd_ms=ms, scratch_mb=mb))
-        print(f"gemm backward S {sub} / P {chunk} columns: {ms:.2f} ms, {mb:.0f} MB scratch", flush=True)
+        print(f"gemm backward, cuBLAS pass, S {sub} / P {chunk} columns: {ms:.2f} ms, {mb:.0f} MB scratch", flush=True)
+    if not cce_fused.usable(h, w):
+        return
+    defaults = (cce_fused.FWD, cce_fused.BWD, cce_gemm.P_BYTES)
+    tilings = {
+        "g16s3": {}, "g16s4": dict(num_stages=4), "g8s4": dict(group_m=8, num_stages=4), "g32s3": dict(group_m=32),
+    }  # fmt: skip
+    try:
+        for name, tweak in tilings.items():
+            cce_fused.FWD = dataclasses.replace(defaults[0], **tweak)
+            ms = bench_ms(lambda: cce_gemm.gemm_shard_forward(h, w, t, v))
+            rows.append(dict(kind="fused_fwd_sweep", tiling=name, fwd_ms=ms))
+            print(f"fused forward {name}: {ms:.2f} ms", flush=True)
+        cce_fused.FWD = defaults[0]
+        for name in ("g16s3", "g16s4", "g8s4"):
+            cce_fused.BWD = dataclasses.replace(defaults[1], **tilings[name])
+            for mb in (44, 48, 56, 60):
+                cce_gemm.P_BYTES = mb * 2**20
+                ms = bench_ms(lambda: cce_gemm.gemm_shard_backward(h, w, t, lse, g, g, v))
+                rows.append(dict(kind="fused_bwd_sweep", tiling=name, p_mb=mb, bwd_ms=ms))
+                print(f"fused backward {name}, P {mb} MB: {ms:.2f} ms", flush=True)
+    finally:
+        cce_fused.FWD, cce_fused.BWD, cce_gemm.P_BYTES = defaults
 
 
 def sweep(h, w, t, rows: list[dict]) -> None:
@@ -230,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--fp64", action="store_true", help="gradient error of every method against an fp64 reference")
-    ap.add_argument("--gemm-sweep", action="store_true", help="sweep the GEMM backend's chunk and sparse tilings")
+    ap.add_argument("--gemm-sweep", action="store_true", help="sweep the GEMM backend's chunks and fused tilings")
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}  torch {torch.__version__}", flush=True)

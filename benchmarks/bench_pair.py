@@ -5,7 +5,7 @@
 
 Why: ``bench_e2e.py`` times each mode in its own block of steps, minutes apart; the GPU's clock drifts 3–13% over
 such a call (``docs/benchmarks.md`` §0), so a 1% question ("is 2:4 slower than dense at micro-batch 1?") drowns.
-Here both trainers of a pair live in one process (same layout, ``LAYOUTS`` and ``MODES`` of ``bench_e2e``) and
+Here both trainers of a pair live in one process (same layout, ``LAYOUTS`` and ``ALL_MODES`` of ``bench_e2e``) and
 each round times one step of each, in ABBA order, so a drift that is linear over a round cancels. The answer is
 the median of the per-round ratios B/A with its spread (min, max); the step times are medians too.
 

@@ -94,8 +94,11 @@ def test_fused_logit_passes_match_cublas_pass(dtype, softcap):
     f_lse, f_tg = gemm_shard_forward(h, w, t, v, softcap, fused=True)
     torch.testing.assert_close(f_lse, lse, rtol=0, atol=1e-4)
     torch.testing.assert_close(f_tg, tg, rtol=0, atol=1e-4)
-    s_lse, _ = cce_fused.lse_pass(h, w, t.to(torch.int32), v, softcap, budget=n * 4 * 37)  # 37 tiles a launch
+    s_lse, s_tg = cce_fused.lse_pass(h, w, t.to(torch.int32), v, softcap, budget=n * 4 * 37)  # 37 tiles a launch
     torch.testing.assert_close(s_lse, lse, rtol=0, atol=1e-4)
+    torch.testing.assert_close(s_tg, tg, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="fused CCE logit passes need"):  # fp32 would run as TF32
+        gemm_shard_forward(h.float(), w.float(), t, v, softcap, fused=True)
     d_e, d_c = gemm_shard_backward(h, w, t, lse, gs, gt, v, softcap, fused=False)
     f_e, f_c = gemm_shard_backward(h, w, t, lse, gs, gt, v, softcap, fused=True, chunk=3000)  # ragged chunks
     assert _rel(f_e, d_e) < 1e-2 and _rel(f_c, d_c) < 1e-2

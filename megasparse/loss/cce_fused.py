@@ -10,65 +10,51 @@ backward's S pass was the slowest of its three. Here each [BLOCK_M, BLOCK_V] log
   the chunk's P buffer, which the backend's cuBLAS GEMMs then read for dC and dE.
 
 Operands come through TMA tensor descriptors (``TensorDescriptor``), which is why this path is for sm_90+ in bf16
-or fp16 (``usable``); elsewhere the backend keeps its cuBLAS logit pass. The fp32 sums are the same wgmma sums
-cuBLAS forms, so P matches the cuBLAS path's P. Measurements in decision 0204.
+or fp16 (``usable``); elsewhere the backend keeps its cuBLAS logit pass. P equals the cuBLAS pass's to bf16 rounding
+(the dC error against fp64 is the same to three digits). Measurements in decision 0204.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from megasparse.loss.cce_kernels import tl, triton
+from megasparse.loss.cce_kernels import KernelConfig, _capped, _grouped_tile, _p_tile, tl, triton
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - triton too old for host-side descriptors, or none at all
     TensorDescriptor = None
 
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Tiling of one fused logit pass (decision 0204 has the sweep)."""
-
-    block_m: int = 128
-    block_v: int = 256
-    block_d: int = 64
-    group: int = 16
-    """Row blocks that take each vocabulary tile back to back: the classifier tile is read from HBM once per group."""
-    num_warps: int = 8
-    num_stages: int = 3
-
-
-FWD = TileConfig()
-BWD = TileConfig()
+FWD = KernelConfig(block_m=128, block_v=256, block_d=64, num_warps=8, num_stages=3, group_m=16)
+"""Tiling of the forward pass (decision 0204 has the sweep)."""
+BWD = FWD
+"""Tiling of the backward's P pass: the same tiles won there."""
 ENABLED = True
 """False: the GEMM backend keeps its cuBLAS logit pass everywhere (benchmarks compare the two)."""
 
 
+def tma_ok(t: Tensor) -> bool:
+    """Rows a TMA descriptor can address: unit inner stride, 16-byte aligned base and row stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
 def usable(h: Tensor, w: Tensor) -> bool:
-    """Whether the fused passes run here: a Hopper-or-newer GPU, 16-bit operands, rows TMA can stride."""
+    """Whether the fused passes run here: a Hopper-or-newer GPU, 16-bit operands (fp32 would run as TF32), rows TMA
+    can address."""
     return (
         ENABLED
         and TensorDescriptor is not None
         and h.is_cuda
         and h.dtype in (torch.bfloat16, torch.float16)
         and w.dtype == h.dtype
-        and h.shape[1] % 8 == 0
         and torch.cuda.get_device_capability(h.device)[0] >= 9
+        and tma_ok(h)
+        and tma_ok(w)
     )
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tile_of(pid, num_m, num_v, GROUP: tl.constexpr):
-        width = GROUP * num_v
-        first_m = (pid // width) * GROUP
-        size = tl.minimum(num_m - first_m, GROUP)
-        return first_m + (pid % width) % size, (pid % width) // size
 
     @triton.jit
     def _logits(e_desc, c_desc, m0, v0, D, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -83,12 +69,10 @@ if triton is not None:
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
         GROUP: tl.constexpr,
     ):  # fmt: skip
-        pid_m, pid_v = _tile_of(tl.program_id(0), tl.cdiv(n, BLOCK_M), tl.cdiv(n_cols, BLOCK_V), GROUP)
+        pid_m, pid_v = _grouped_tile(tl.program_id(0), tl.cdiv(n, BLOCK_M), tl.cdiv(n_cols, BLOCK_V), GROUP)
         m0 = pid_m * BLOCK_M
         c0 = pid_v * BLOCK_V
-        x = _logits(e_desc, c_desc, m0, v_base + c0, D, BLOCK_M, BLOCK_V, BLOCK_D)
-        if HAS_SOFTCAP:
-            x = softcap * (2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0)
+        x = _capped(_logits(e_desc, c_desc, m0, v_base + c0, D, BLOCK_M, BLOCK_V, BLOCK_D), softcap, HAS_SOFTCAP)
         rows = m0 + tl.arange(0, BLOCK_M)
         cols = c0 + tl.arange(0, BLOCK_V)
         row_ok = rows < n
@@ -106,7 +90,7 @@ if triton is not None:
         HAS_SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
         GROUP: tl.constexpr,
     ):  # fmt: skip
-        pid_m, pid_v = _tile_of(tl.program_id(0), tl.cdiv(n, BLOCK_M), tl.cdiv(c, BLOCK_V), GROUP)
+        pid_m, pid_v = _grouped_tile(tl.program_id(0), tl.cdiv(n, BLOCK_M), tl.cdiv(c, BLOCK_V), GROUP)
         m0 = pid_m * BLOCK_M
         c0 = pid_v * BLOCK_V
         x = _logits(e_desc, c_desc, m0, v0 + c0, D, BLOCK_M, BLOCK_V, BLOCK_D)
@@ -117,26 +101,29 @@ if triton is not None:
         gs = tl.load(GS + rows, mask=row_ok, other=0.0)
         gt = tl.load(GT + rows, mask=row_ok, other=0.0)
         t = tl.load(T + rows, mask=row_ok, other=-1) - v0
-        if HAS_SOFTCAP:
-            th = 2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0
-            x = softcap * th
-        p = gs[:, None] * tl.exp(x - lse[:, None])
-        p = p - tl.where(cols[None, :] == t[:, None], gt[:, None], 0.0)
-        if HAS_SOFTCAP:
-            p = p * (1.0 - th * th)
+        p = _p_tile(x, cols, lse, gs, gt, t, softcap, HAS_SOFTCAP)
         ok = row_ok[:, None] & (cols < c)[None, :]
         tl.store(P + rows.to(tl.int64)[:, None] * stride_p + cols[None, :], p.to(P.dtype.element_ty), mask=ok)
 
 
-def _descs(h: Tensor, w: Tensor, cfg: TileConfig):
-    return (
-        TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_d]),
-        TensorDescriptor.from_tensor(w, [cfg.block_v, cfg.block_d]),
-    )
+class Descriptors:
+    """The TMA descriptors of h and w for one tiling: the tiling travels with them, so a launch cannot read tiles of
+    another shape than its kernel's blocks."""
 
+    def __init__(self, h: Tensor, w: Tensor, cfg: KernelConfig):
+        self.cfg = cfg
+        self.e = TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_d])
+        self.c = TensorDescriptor.from_tensor(w, [cfg.block_v, cfg.block_d])
 
-def _grid(n: int, c: int, cfg: TileConfig) -> tuple[int]:
-    return (triton.cdiv(n, cfg.block_m) * triton.cdiv(c, cfg.block_v),)
+    def grid(self, n: int, c: int) -> tuple[int]:
+        return (triton.cdiv(n, self.cfg.block_m) * triton.cdiv(c, self.cfg.block_v),)
+
+    def meta(self, softcap: float | None) -> dict:
+        cfg = self.cfg
+        return dict(
+            HAS_SOFTCAP=softcap is not None, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+            GROUP=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
 
 
 def lse_pass(
@@ -146,33 +133,30 @@ def lse_pass(
     n_valid: int,
     softcap: float | None,
     budget: int,
-    cfg: TileConfig | None = None,
+    cfg: KernelConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(lse [n] fp32, target logit [n] fp32) of columns [0, n_valid) of ``w``; the tile partials stay within
-    ``budget`` bytes (one launch for the whole slice at 8192 rows and 48 MB)."""
+    """(lse [n] fp32, target logit [n] fp32) of columns [0, n_valid) of ``w`` (n_valid > 0). The tile partials,
+    4·n bytes per vocabulary tile, stay within ``budget`` bytes but hold one tile at least: at 8192 rows and 48 MB
+    one launch covers 1536 tiles, the whole slice."""
     n, d = h.shape
-    cfg = cfg or FWD
-    e_desc, c_desc = _descs(h, w, cfg)
+    desc = Descriptors(h, w, cfg or FWD)
     tiles = max(1, budget // (4 * n))
-    cols = tiles * cfg.block_v
-    part = torch.empty(min(tiles, triton.cdiv(n_valid, cfg.block_v)), n, dtype=torch.float32, device=h.device)
+    cols = tiles * desc.cfg.block_v
+    part = torch.empty(min(tiles, triton.cdiv(n_valid, desc.cfg.block_v)), n, dtype=torch.float32, device=h.device)
     tlogit = torch.zeros(n, dtype=torch.float32, device=h.device)
     lse = None
     for v0 in range(0, n_valid, cols):
         c = min(cols, n_valid - v0)
-        _lse_kernel[_grid(n, c, cfg)](
-            e_desc, c_desc, t32, part, tlogit, n, c, v0, d, float(softcap or 1.0),
-            HAS_SOFTCAP=softcap is not None, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
-            GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-        chunk = torch.logsumexp(part[: triton.cdiv(c, cfg.block_v)], 0)
+        _lse_kernel[desc.grid(n, c)](
+            desc.e, desc.c, t32, part, tlogit, n, c, v0, d, float(softcap or 1.0), **desc.meta(softcap)
+        )
+        chunk = torch.logsumexp(part[: triton.cdiv(c, desc.cfg.block_v)], 0)
         lse = chunk if lse is None else torch.logaddexp(lse, chunk, out=lse)
     return lse, tlogit
 
 
 def grad_pass(
-    h: Tensor,
-    w: Tensor,
+    desc: Descriptors,
     t32: Tensor,
     lse: Tensor,
     gs: Tensor,
@@ -180,21 +164,11 @@ def grad_pass(
     v0: int,
     p: Tensor,
     softcap: float | None,
-    cfg: TileConfig | None = None,
-    descs: tuple | None = None,
 ) -> None:
-    """P of columns [v0, v0 + p.shape[1]) into ``p`` ([n, c], the input dtype); ``descs`` reuses the descriptors."""
-    n, d = h.shape
-    cfg = cfg or BWD
-    c = p.shape[1]
-    e_desc, c_desc = descs or _descs(h, w, cfg)
-    _grad_kernel[_grid(n, c, cfg)](
-        e_desc, c_desc, p, lse, gs, gt, t32, n, c, v0, p.stride(0), d, float(softcap or 1.0),
-        HAS_SOFTCAP=softcap is not None, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
-        GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-
-
-def descriptors(h: Tensor, w: Tensor) -> tuple:
-    """The (h, w) descriptors of the backward's chunks, built once per call."""
-    return _descs(h, w, BWD)
+    """P of columns [v0, v0 + p.shape[1]) into ``p`` ([n, c], the input dtype), through ``desc`` (h's and w's
+    descriptors, built once per backward: ``Descriptors(h, w, BWD)``)."""
+    n, c = p.shape
+    d = desc.e.shape[1]
+    _grad_kernel[desc.grid(n, c)](
+        desc.e, desc.c, p, lse, gs, gt, t32, n, c, v0, p.stride(0), d, float(softcap or 1.0), **desc.meta(softcap)
+    )

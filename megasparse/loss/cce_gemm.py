@@ -14,8 +14,9 @@ every FLOP runs in a vendor GEMM and nothing is added under a lock:
 On sm_90+ in bf16/fp16 both logit passes run fused instead (``cce_fused.py``, decision 0204): the logit tiles stay in
 registers, so neither S nor ``_stats_kernel``/``_grad_kernel`` is needed and the scratch holds P alone.
 
-Memory is bounded by the chunk: ``backward_chunks`` keeps S (fp32) and P under ``CHUNK_BYTES`` whatever the row count,
-so the [rows, V] logits never exist. The work is 8·N·V·D FLOPs (the materialised loss does 6·N·V·D plus several
+Memory is bounded by the chunk whatever the row count, so the [rows, V] logits never exist: the cuBLAS pass keeps S
+(fp32) and P under ``CHUNK_BYTES`` (``backward_chunks``), the fused pass keeps P under ``P_BYTES`` and its forward's
+tile partials under ``CHUNK_BYTES``. The work is 8·N·V·D FLOPs (the materialised loss does 6·N·V·D plus several
 passes over fp32 logits): decision 0203 has the measurements. This path is exact: ``loss.filter_eps`` and
 ``sort_vocab`` belong to the tile kernels (block-sparse Triton GEMMs that skip the filtered P tiles were measured
 slower than these dense cuBLAS ones, decision 0203). It has no host synchronisation: a captured CUDA graph replays it.
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from megasparse.loss import cce_fused
-from megasparse.loss.cce_kernels import tl, triton
+from megasparse.loss.cce_kernels import _capped, _p_tile, tl, triton
 from megasparse.ops.wgrad import accumulate_mm
 
 CHUNK_BYTES = 48 * 2**20
@@ -46,12 +47,6 @@ fastest of 44–60 MB on both shapes (H100, decision 0204); within the issue's 6
 _MIN_COLS = 256
 
 if triton is not None:
-
-    @triton.jit
-    def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
-        if HAS_SOFTCAP:
-            x = softcap * (2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0)
-        return x
 
     @triton.jit
     def _stats_kernel(
@@ -100,13 +95,7 @@ if triton is not None:
         gs = tl.load(GS + rows, mask=row_ok, other=0.0)
         gt = tl.load(GT + rows, mask=row_ok, other=0.0)
         t = tl.load(T + rows, mask=row_ok, other=-1) - v0
-        if HAS_SOFTCAP:
-            th = 2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0
-            x = softcap * th
-        p = gs[:, None] * tl.exp(x - lse[:, None])
-        p = p - tl.where(cols[None, :] == t[:, None], gt[:, None], 0.0)
-        if HAS_SOFTCAP:
-            p = p * (1.0 - th * th)
+        p = _p_tile(x, cols, lse, gs, gt, t, softcap, HAS_SOFTCAP)
         tl.store(P + r64 * stride_p + cols[None, :], p.to(P.dtype.element_ty), mask=ok)
 
 
@@ -164,7 +153,13 @@ def _blocks(h: Tensor, kind: str) -> tuple[int, int]:
 
 
 def _fused(h: Tensor, w: Tensor, fused: bool | None) -> bool:
-    return cce_fused.usable(h, w) if fused is None else fused
+    """Whether a call takes the fused logit passes: where they are usable, unless told. Told to on a GPU where they
+    cannot run (fp32 would silently run as TF32), it says so."""
+    if fused is None:
+        return cce_fused.usable(h, w)
+    if fused and h.is_cuda and not cce_fused.usable(h, w):
+        raise ValueError("fused CCE logit passes need sm_90+, bf16/fp16 h and w of one dtype, TMA-addressable rows")
+    return fused
 
 
 def gemm_shard_forward(
@@ -178,20 +173,22 @@ def gemm_shard_forward(
 ) -> tuple[Tensor, Tensor]:
     """(lse [n] fp32, target logit [n] fp32, 0 where the target is in another shard) of this vocabulary slice.
 
-    ``fused`` (default: where ``cce_fused.usable``) keeps the logit tiles in registers (``cce_fused.lse_pass``)."""
+    ``fused`` (default: where ``cce_fused.usable``) keeps the logit tiles in registers (``cce_fused.lse_pass``).
+    ``chunk``: vocabulary columns per GEMM (cuBLAS pass) or per launch (fused pass, rounded up to whole tiles)."""
     n, _ = h.shape
+    t32 = tgt.to(torch.int32).contiguous()
+    if n > 0 and n_valid > 0 and _fused(h, w, fused):
+        h, w = (x if cce_fused.tma_ok(x) else x.contiguous() for x in (h, w))  # no copy of a usable w
+        budget = triton.cdiv(chunk, cce_fused.FWD.block_v) * n * 4 if chunk else CHUNK_BYTES
+        return cce_fused.lse_pass(h, w, t32, n_valid, softcap, budget)
     lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
     tlogit = torch.zeros(n, dtype=torch.float32, device=h.device)
     if n == 0 or n_valid == 0:
         return lse, tlogit
     h = h.contiguous()
-    if _fused(h, w, fused):
-        t32 = tgt.to(torch.int32).contiguous()
-        return cce_fused.lse_pass(h, w.contiguous(), t32, n_valid, softcap, chunk * n * 4 if chunk else CHUNK_BYTES)
     s_dt = _s_dtype(h)
     c_max = chunk or chunk_cols(n, n_valid, s_dt.itemsize)
     buf = _scratch(n, c_max, s_dt, h.device)
-    t32 = tgt.to(torch.int32).contiguous()
     br, bc = _blocks(h, "stats")
     for v0 in range(0, n_valid, c_max):
         c = min(c_max, n_valid - v0)
@@ -242,10 +239,10 @@ def gemm_shard_backward(
     if _fused(h, w, fused):  # P straight from the logit tiles in registers: no S buffer
         cp = min(n_valid, chunk or chunk_cols(n, n_valid, h.element_size(), P_BYTES, cce_fused.BWD.block_v))
         p_buf = _scratch(n, cp, h.dtype, h.device)
-        descs = cce_fused.descriptors(h, w)
+        desc = cce_fused.Descriptors(h, w, cce_fused.BWD)
 
         def fill(p: Tensor, v0: int) -> None:
-            cce_fused.grad_pass(h, w, t32, lse, gs, gt, v0, p, softcap, descs=descs)
+            cce_fused.grad_pass(desc, t32, lse, gs, gt, v0, p, softcap)
     else:
         s_dt = _s_dtype(h)
         cs, cp = backward_chunks(n, n_valid, h.element_size(), s_dt.itemsize)

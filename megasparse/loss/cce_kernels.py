@@ -17,6 +17,8 @@ tile kernel it would force every tile holding a target through the locked adds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 try:
     import triton
     import triton.language as tl
@@ -24,7 +26,54 @@ except ImportError:  # pragma: no cover - CPU images without triton use the torc
     triton = None
     tl = None
 
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and pipelining of one kernel (chosen on H100/H200, see docs/benchmarks/cce.md); the tile kernels'
+    and the GEMM backend's fused logit passes' (``cce_fused.py``)."""
+
+    block_m: int = 128
+    block_v: int = 128
+    block_d: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+    """Row blocks that visit each vocabulary tile back to back (the classifier tile is read from HBM once a group;
+    the tile kernels' forward does not group)."""
+    mm_block_d: int = 0
+    """Tile kernels' backward only: D chunk of the dE/dC read-modify-writes (0: ``block_d``); each has its own lock."""
+
+
 if triton is not None:
+
+    @triton.jit
+    def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+        """Gemma-2's logit soft-cap, softcap·tanh(x / softcap) (through a sigmoid: exact in fp32)."""
+        if HAS_SOFTCAP:
+            x = softcap * (2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0)
+        return x
+
+    @triton.jit
+    def _grouped_tile(pid, num_m, num_v, GROUP_M: tl.constexpr):
+        """(row block, vocabulary block) of program ``pid`` when GROUP_M row blocks take each vocabulary block back
+        to back: the classifier tile is read from HBM once per group and the group's rows stay in L2."""
+        per_group = GROUP_M * num_v
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+    @triton.jit
+    def _p_tile(x, cols, lse, gs, gt, t, softcap, HAS_SOFTCAP: tl.constexpr):
+        """dlogits of a tile of raw logits ``x`` (fp32): gs·softmax(capped x − lse) − gt·onehot(t), times the soft-cap
+        derivative; ``cols`` and ``t`` (each row's target) in the same column frame."""
+        if HAS_SOFTCAP:
+            th = 2.0 * tl.sigmoid(x * (2.0 / softcap)) - 1.0
+            x = softcap * th
+        p = gs[:, None] * tl.exp(x - lse[:, None])
+        p = p - tl.where(cols[None, :] == t[:, None], gt[:, None], 0.0)
+        if HAS_SOFTCAP:
+            p = p * (1.0 - th * th)
+        return p
 
     @triton.jit
     def _tile_logits(
@@ -91,15 +140,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
         MM_BLOCK_D: tl.constexpr, MM_EVEN_D: tl.constexpr, ORDERED: tl.constexpr, DOT_PREC: tl.constexpr,
     ):  # fmt: skip
-        # grouped order: GROUP_M row blocks share each vocabulary tile back to back (C read from HBM once per
-        # group, E of the group stays in L2), while a tile's dC locks see at most GROUP_M contenders at a time
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(N, BLOCK_M)
-        per_group = GROUP_M * tl.cdiv(n_valid, BLOCK_V)
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_v = (pid % per_group) // group_m
+        # grouped order: besides the L2 reuse, a tile's dC locks see at most GROUP_M contenders at a time
+        pid_m, pid_v = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(n_valid, BLOCK_V), GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < N
         pos = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)

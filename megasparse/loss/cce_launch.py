@@ -1,8 +1,8 @@
 """Launchers of the CCE kernels and the dispatch of the shard maths to a backend.
 
 ``shard_forward`` / ``shard_backward`` are the per-slice pieces every output loss is built from (lse partial +
-target logit partial; backward for a given merged lse). Backends: ``gemm`` (cuBLAS GEMMs over bounded vocabulary
-chunks with Triton softmax kernels, ``cce_gemm.py``; default on CUDA, decision 0203), ``triton`` (the tile
+target logit partial; backward for a given merged lse). Backends: ``gemm`` (GEMMs over bounded vocabulary chunks,
+``cce_gemm.py``; default on CUDA, decision 0203; its logit passes fused in Triton on sm_90+, ``cce_fused.py``, 0204), ``triton`` (the tile
 kernels of ``cce_kernels.py``: gradient filtering and the vocabulary sort, least memory), ``torch`` (the chunked
 reference, ``reference.py``; default on CPU, runs at real vocabulary sizes) and ``materialized`` (whole
 [rows, V_local] fp32 logits, ``materialized.py``; ``loss.impl=torch``). Which one runs is
@@ -12,32 +12,14 @@ configuration (``loss.backend``, ``loss.impl``), never the environment; CPU test
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from megasparse.loss.cce_gemm import gemm_shard_backward, gemm_shard_forward
-from megasparse.loss.cce_kernels import _bwd_kernel, _fwd_kernel, triton
+from megasparse.loss.cce_kernels import KernelConfig, _bwd_kernel, _fwd_kernel, triton
 from megasparse.loss.materialized import materialized_shard_backward, materialized_shard_forward
 from megasparse.loss.reference import torch_shard_backward, torch_shard_forward
 from megasparse.loss.rows import add_target_term
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile shape and pipelining of one kernel (chosen on H100/H200, see docs/benchmarks/cce.md)."""
-
-    block_m: int = 128
-    block_v: int = 128
-    block_d: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    group_m: int = 8
-    """Backward only: row blocks that visit each vocabulary tile back to back."""
-    mm_block_d: int = 0
-    """Backward only: D chunk of the dE/dC read-modify-writes (0: ``block_d``); each chunk has its own lock."""
-
 
 FWD_CONFIG = KernelConfig(128, 256, 64, 8, 3)
 BWD_CONFIG = KernelConfig(128, 128, 64, 4, 3, 16, 128)

@@ -47,7 +47,8 @@ class LossConfig:
     shape the dE error against fp32 falls from 0.37 to 0.19 filtered and from 0.71 to 0.003 exact (H200,
     docs/benchmarks/cce.md)."""
     backend: Literal["gemm", "triton", "torch"] | None = None
-    """Force the cce backend: gemm (cuBLAS GEMMs over bounded vocabulary chunks, Triton softmax; exact), triton (the
+    """Force the cce backend: gemm (exact, over bounded vocabulary chunks: on sm_90+ Triton GEMMs with the softmax in
+    their epilogue for the logits and cuBLAS for dC and dE, elsewhere cuBLAS with Triton softmax kernels), triton (the
     tile kernels: gradient filtering with ``filter_eps`` and ``sort_vocab``, the least memory) or torch (the chunked
     reference). None: gemm on CUDA, torch on CPU (decision 0203)."""
     vocab_over_pp: bool = False
