@@ -1,57 +1,144 @@
-"""Where a step's time goes: torch.profiler tables (CUDA and CPU time) of one dense and one collider step.
+"""Where a step's time goes, per mode: wall time, GPU kernel time, kernel launches and the host's hot spots.
 
-python benchmarks/profile_step.py --layers 8 --seq 4096 --mb 1 [--rows 15]
-torchrun --nproc_per_node 2 benchmarks/profile_step.py --tp 2 [--sp] --mb 4 [--granularity batch]   (rank 0 prints)
+    torchrun --nproc_per_node N benchmarks/profile_step.py LAYOUT [--modes dense,collider] [--micro 1]
+        [--steps 4] [--out-dir docs/benchmarks/data] [section.key=value ...]
+
+Why: a filtered step that does less GPU work and still takes longer is host-bound, and only a profile says so. With
+``train.cuda_graphs=false`` this shows what a pipeline stage pays (stages run eagerly: ``cudagraph.capture_blocker``)
+on a one-GPU layout. Each mode's trainer warms up, times ``--steps`` steps (median, slowest rank), then runs one step
+under ``torch.profiler`` (CPU and CUDA) and reports the kernel time, the launch calls and the ops with the most own
+host time. Same layouts and modes as ``bench_e2e.py``. Writes ``profile_<layout>.json`` (``device``, ``cases``:
+mode, micro_batch_size, step_ms, gpu_kernel_ms, launches, host_self_cpu_ms, top_host_ops, top_kernels) and prints the
+table last (``--tables N``: the profiler's own tables too).
+Profiled host times run 1.3–2× slower than unprofiled ones: compare them between modes, not with ``step_ms``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megasparse.config import load_config
-from megasparse.parallel import state
-from megasparse.train import Trainer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_e2e as be  # noqa: E402
+import bench_trainer as bt  # noqa: E402
+
+from megasparse.config import load_config  # noqa: E402
+from megasparse.parallel import state  # noqa: E402
+from megasparse.train import Trainer  # noqa: E402
+
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--mb", type=int, default=1)
-    p.add_argument("--rows", type=int, default=15)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--sp", action="store_true")
-    p.add_argument("--granularity", default="sequence")
-    a = p.parse_args()
-    state.init(a.tp, 1, a.sp)
-    rank0 = state.layout().tp_rank == 0
-    for mode in ("off", "collider"):
-        cfg = load_config(None, [
-            "data.prefix=synthetic", "model.vocab_size=32000", f"model.seq_length={a.seq}", "model.hidden_size=2048",
-            "model.num_attention_heads=32", "model.num_query_groups=4", "model.ffn_hidden_size=5632",
-            f"model.num_layers={a.layers}", f"train.micro_batch_size={a.mb}", f"train.global_batch_size={a.mb}",
-            "train.eval_interval=0", f"filter.mode={mode}", "filter.keep_ratio=0.6", "filter.scorer=loss",
-            f"filter.granularity={a.granularity}", f"parallel.tp={a.tp}", f"parallel.sequence_parallel={a.sp}",
-        ])  # fmt: skip
-        tr = Trainer(cfg, init_groups=False)
-        for _ in range(3):
-            tr.train_step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            r = tr.train_step()
-            torch.cuda.synchronize()
-        if rank0:
-            print(f"\n== {mode}: step {r.seconds * 1e3:.1f} ms (wall, profiled) ==")
-            ka = prof.key_averages()
-            print(ka.table(sort_by="self_cuda_time_total", row_limit=a.rows, max_name_column_width=70))
-            print(ka.table(sort_by="cpu_time_total", row_limit=a.rows, max_name_column_width=70))
-            cuda_total = sum(e.self_device_time_total for e in ka) / 1e3
-            print(f"{mode}: total self CUDA time {cuda_total:.1f} ms vs wall {r.seconds * 1e3:.1f} ms")
-        del tr
+def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -> dict:
+    """Warm up, time ``steps`` steps, profile one more: the case's numbers on this rank (``tables``: also print the
+    profiler's tables by GPU and by own host time, that many rows, on rank 0)."""
+    tr = Trainer(cfg, init_groups=False)
+    n = max(warmup, 8) if cfg.sparsity.enabled and cfg.sparsity.backend == "auto" else warmup
+    for _ in range(n):
+        tr.train_step()
+    times = []
+    for _ in range(steps):
+        bt._sync(tr.device)
+        times.append(tr.train_step().seconds)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tr.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        bt._sync(tr.device)
+        tr.train_step()
+        bt._sync(tr.device)
+    ka = prof.key_averages()
+    cuda = torch.autograd.DeviceType.CUDA
+    kernel_us = sum(e.self_device_time_total for e in ka if e.device_type == cuda)
+    ops = sorted((e for e in ka if e.key not in _LAUNCHES), key=lambda e: e.self_cpu_time_total, reverse=True)
+    kernels = sorted((e for e in ka if e.device_type == cuda), key=lambda e: e.self_device_time_total, reverse=True)
+    if tables and state.world_env()[0] == 0:
+        for key in ("self_cuda_time_total", "self_cpu_time_total") if kernels else ("self_cpu_time_total",):
+            print(ka.table(sort_by=key, row_limit=tables, max_name_column_width=60), flush=True)
+    if getattr(tr, "graphs", None) is not None:
+        tr.graphs.release()
+    del tr
+    bt._free()
+    return {
+        "step_ms": 1e3 * statistics.median(times),
+        "gpu_kernel_ms": kernel_us / 1e3,
+        "launches": sum(e.count for e in ka if e.key in _LAUNCHES),
+        "host_self_cpu_ms": sum(e.self_cpu_time_total for e in ka) / 1e3,
+        "top_host_ops": [
+            {"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops[:top]
+        ],
+        "top_kernels": [
+            {"name": e.key, "gpu_ms": e.self_device_time_total / 1e3, "calls": e.count} for e in kernels[:top]
+        ],
+    }
+
+
+def format_table(report: dict) -> str:
+    head = f"{'mode':<14} {'mb':>3} {'step ms':>9} {'GPU ms':>8} {'launches':>9} {'host ms*':>9}  top host op (own ms)"
+    lines = [f"profile | {report['device']} | {report['layout']}: {report['shape']}", head, "-" * len(head)]
+    for c in report["cases"]:
+        op = c["top_host_ops"][0] if c["top_host_ops"] else {"name": "-", "self_cpu_ms": 0.0}
+        lines.append(
+            f"{c['mode']:<14} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {c['gpu_kernel_ms']:8.1f} "
+            f"{c['launches']:9d} {c['host_self_cpu_ms']:9.1f}  {op['name'][:40]} ({op['self_cpu_ms']:.1f})"
+        )
+    lines.append("*host ms: own CPU time of every op in the profiled step (profiling slows the host 1.3-2x)")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("layout", choices=list(be.LAYOUTS))
+    p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every case")
+    p.add_argument("--modes", default="dense,collider")
+    p.add_argument("--micro", default="1")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--tables", type=int, default=0, help="also print the profiler's tables, this many rows")
+    p.add_argument("--out-dir", default=os.environ.get("OUT", str(be.ROOT / "docs" / "benchmarks" / "data")))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(list(sys.argv[1:] if argv is None else argv))
+    modes = [m for m in a.modes.split(",") if m]
+    opened = be.open_layout("profile_step", a.layout, a.overrides, modes)
+    if opened is None:
+        return 2
+    cfg_path, base_ov, base, world, dev, device = opened
+    p, m = base.parallel, base.model
+    report: dict = {
+        "device": device,
+        "layout": a.layout,
+        "shape": f"{m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, tp {p.tp} pp {p.pp}, "
+        f"global batch {base.train.global_batch_size}, cuda_graphs {base.train.cuda_graphs}",
+        "overrides": base_ov,
+        "torch": torch.__version__,
+        "cases": [],
+    }
+    if dev.type == "cuda":
+        be.warm_gpu(10.0, dev)
+    for mb in [int(x) for x in a.micro.split(",")]:
+        for mode in modes:
+            cfg = load_config(
+                str(be.ROOT / cfg_path), base_ov + [f"train.micro_batch_size={mb}"] + be.mode_overrides(mode)
+            )
+            bt.log0(f"--- {mode} micro_batch_size={mb} ---")
+            r = profile_case(cfg, a.warmup, a.steps, tables=a.tables)
+            r["step_ms"] = max(x[0] for x in bt.gather_floats([r["step_ms"]], dev))  # the slowest rank's
+            report["cases"].append({"mode": mode, "micro_batch_size": mb, **r})
+    report["table"] = format_table(report)
+    if state.world_env()[0] == 0:
+        out = Path(a.out_dir) / f"profile_{a.layout}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1))
+        print(report["table"], flush=True)
     state.destroy()
     return 0
 

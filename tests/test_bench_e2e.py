@@ -102,3 +102,30 @@ def test_pair_bench_times_both_trainers_in_rounds(tmp_path) -> None:
     assert (p["a"], p["b"], p["rounds"]) == ("dense", "collider", 3)
     assert p["a_ms"] > 0 and p["b_ms"] > 0 and p["ratio_min"] <= p["ratio_b_over_a"] <= p["ratio_max"]
     assert r["report"]["table"].splitlines()[-1].startswith("B/A")
+
+
+def _profile_run(out: str) -> dict:
+    import json
+
+    import profile_step as ps
+
+    tiny = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "model.num_layers=2",
+            "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+            "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=250", "train.global_batch_size=2",
+            "train.eval_interval=0"]  # fmt: skip
+    rc = ps.main(["1gpu_tinyllama", *tiny, "--modes", "dense,collider", "--steps", "2", "--out-dir", out])
+    return {"rc": rc, "report": json.loads((Path(out) / "profile_1gpu_tinyllama.json").read_text())}
+
+
+def test_profile_step_reports_each_mode(tmp_path) -> None:
+    """The step profiler runs each mode's trainer on CPU and names its busiest host ops."""
+    from distributed import run_distributed
+
+    r = run_distributed(_profile_run, 1, str(tmp_path))[0]
+    assert r["rc"] == 0
+    cases = r["report"]["cases"]
+    assert [c["mode"] for c in cases] == ["dense", "collider"]
+    for c in cases:
+        assert c["step_ms"] > 0 and c["host_self_cpu_ms"] > 0 and c["launches"] == 0  # no GPU: no launches
+        assert c["top_host_ops"] and c["top_host_ops"][0]["self_cpu_ms"] >= c["top_host_ops"][-1]["self_cpu_ms"]
+    assert r["report"]["table"].splitlines()[-1].startswith("*host ms")
