@@ -150,17 +150,28 @@ class AttentionFn(torch.autograd.Function):
         # One batched kernel over the micro-batch: each sequence's kept positions, padded at the end to the
         # longest. Padded queries get a zero output gradient, so they add nothing to any real dq/dk/dv, and
         # causal order keeps real queries off the padded keys: exact, whatever the per-sequence counts.
+        # Static counts (every sequence keeps the same number: the default selection, and any micro-batch of 1) need
+        # no padding row; one sequence also needs no reordering (its compact rows are its kept positions in order).
         pos, sel = g.meta.padded_per_sequence()  # [b, m] positions, [b, m] compact rows (K = padding)
-        k_rows = g.rows.shape[0]
-        src = torch.cat([g.rows, g.rows.new_zeros(1, g.rows.shape[1])])
-        m = pos.shape[1]
-        go = src.index_select(0, sel.reshape(-1)).view(b, m, nq, d).permute(0, 2, 1, 3)
-        flat = (pos * b + torch.arange(b, device=pos.device)[:, None]).reshape(-1)  # rows of the [s, b] layout
+        k_rows, m = g.rows.shape[0], pos.shape[1]
+        padded = g.meta.seq_count is None
+        in_order = not padded and b == 1
+        if in_order:
+            go = g.rows.reshape(b, m, nq, d).permute(0, 2, 1, 3)
+        else:
+            src = torch.cat([g.rows, g.rows.new_zeros(1, g.rows.shape[1])]) if padded else g.rows
+            go = src.index_select(0, sel.reshape(-1)).view(b, m, nq, d).permute(0, 2, 1, 3)
+        flat = g.meta.derived(  # rows of the [s, b] layout, the same for every layer
+            "attn_flat", lambda: (pos * b + torch.arange(b, device=pos.device)[:, None]).reshape(-1)
+        )
         sub = [_rows_at(t, flat, b, m) for t in (q, k, v, out)]
         lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)).contiguous()
         dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
-        rows = g.rows.new_empty(k_rows + 1, shape[-1])  # the last row takes (and drops) the padding
-        rows.index_copy_(0, sel.t().reshape(-1), finish(dq, dk, dv, pos).reshape(-1, shape[-1]))
+        got = finish(dq, dk, dv, pos).reshape(-1, shape[-1])
+        if in_order:
+            return CompactGrad(got, g.meta, shape), None, None, None, None
+        rows = g.rows.new_empty(k_rows + padded, shape[-1])  # with padding, the last row takes (and drops) it
+        rows.index_copy_(0, sel.t().reshape(-1), got)
         return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None
 
 
