@@ -219,6 +219,29 @@ def catch_grad(x: torch.Tensor, holder: dict) -> torch.Tensor:
     return _Catch.apply(x, holder)
 
 
+class _InFlight:
+    """This stage's micro-batches between their forward and their backward, under any schedule: each one's output,
+    and the input gradient its backward leaves at the stage entry (caught there, so a compact gradient never reaches
+    a leaf). ``key`` names a micro-batch (or a (chunk, micro-batch) pair) until its backward."""
+
+    def __init__(self, forward_step: Callable, backward_step: Callable):
+        self.forward_step, self.backward_step = forward_step, backward_step
+        self.outputs: dict = {}
+        self.caught: dict = {}
+
+    def forward(self, key, mb: int, x: torch.Tensor | None, *chunk: int) -> torch.Tensor:
+        if x is not None:
+            x = _Catch.apply(x.requires_grad_(), self.caught.setdefault(key, {}))
+        out = self.outputs[key] = self.forward_step(mb, x, *chunk)
+        return out
+
+    def backward(self, key, mb: int, g: torch.Tensor | None) -> torch.Tensor | None:
+        """Run micro-batch ``key``'s backward from its output; the gradient of its input (None on the first stage)."""
+        with comm.phase("backward"):
+            self.backward_step(mb, self.outputs.pop(key), g)
+        return self.caught.pop(key, {}).get("grad")
+
+
 def one_f_one_b(
     num_mb: int,
     p2p: StageComm,
@@ -236,32 +259,18 @@ def one_f_one_b(
         return interleaved_1f1b(num_mb, p2p, forward_step, backward_step)
     lay = state.layout()
     warmup = min(lay.pp - lay.pp_rank - 1, num_mb)
-    holders: list[dict] = [{} for _ in range(num_mb)]
-    outputs: dict[int, torch.Tensor] = {}
-
-    def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
-        if x is not None:
-            x = _Catch.apply(x.requires_grad_(), holders[i])
-        out = forward_step(i, x)
-        outputs[i] = out
-        return out
-
-    def bwd(i: int, g: torch.Tensor | None):
-        with comm.phase("backward"):
-            backward_step(i, outputs.pop(i), g)
-        return holders[i].pop("grad", None)
-
+    mbs = _InFlight(forward_step, backward_step)
     fi = bi = 0
     for _ in range(warmup):
-        y = fwd(fi, p2p.recv_forward())
+        y = mbs.forward(fi, fi, p2p.recv_forward())
         p2p.send_forward(y)
         fi += 1
     x = p2p.recv_forward() if num_mb > warmup else None
     for step in range(num_mb - warmup):
-        y = fwd(fi, x)
+        y = mbs.forward(fi, fi, x)
         fi += 1
         g = p2p.send_forward_recv_backward(y) if not lay.is_last_stage else None
-        gin = bwd(bi, g)
+        gin = mbs.backward(bi, bi, g)
         bi += 1
         if step == num_mb - warmup - 1:
             x = None
@@ -273,7 +282,7 @@ def one_f_one_b(
     for _ in range(warmup):
         with comm.phase("backward"):
             g = p2p.recv_backward()
-        gin = bwd(bi, g)
+        gin = mbs.backward(bi, bi, g)
         bi += 1
         with comm.phase("backward"):
             p2p.send_backward(gin)
@@ -291,12 +300,11 @@ def interleaved_1f1b(
     lay = state.layout()
     inputs: dict[interleaved.Key, torch.Tensor] = {}
     grads: dict[interleaved.Key, torch.Tensor] = {}
-    outputs: dict[interleaved.Key, torch.Tensor] = {}
-    caught: dict[interleaved.Key, dict] = {}
     gins: dict[interleaved.Key, torch.Tensor] = {}
+    mbs = _InFlight(forward_step, backward_step)
     for st in interleaved.plan(lay.pp, lay.pp_rank, p2p.chunks, num_mb):
         if isinstance(st, interleaved.Comm):
-            y = None if st.send_fwd is None else outputs[st.send_fwd]
+            y = None if st.send_fwd is None else mbs.outputs[st.send_fwd]
             g = None if st.send_bwd is None else gins.pop(st.send_bwd)
             x, gout = p2p.send_recv(y, st.recv_fwd is not None, g, st.recv_bwd is not None)
             if st.recv_fwd is not None:
@@ -306,15 +314,11 @@ def interleaved_1f1b(
             continue
         key = (st.chunk, st.mb)
         if st.kind == "F":
-            x = inputs.pop(key, None)
-            if x is not None:
-                x = _Catch.apply(x.requires_grad_(), caught.setdefault(key, {}))
-            outputs[key] = forward_step(st.mb, x, st.chunk)
+            mbs.forward(key, st.mb, inputs.pop(key, None), st.chunk)
         else:
-            with comm.phase("backward"):
-                backward_step(st.mb, outputs.pop(key), grads.pop(key, None))
-            if key in caught:
-                gins[key] = caught.pop(key)["grad"]
+            gin = mbs.backward(key, st.mb, grads.pop(key, None))
+            if gin is not None:  # the first virtual stage has no input to send a gradient to
+                gins[key] = gin
 
 
 def forward_only(
@@ -355,8 +359,7 @@ def lockstep(
     """
     lay = state.layout()
     P, r = lay.pp, lay.pp_rank
-    holders: list[dict] = [{} for _ in range(num_mb)]
-    outputs: dict[int, torch.Tensor] = {}
+    mbs = _InFlight(forward_step, backward_step)
     y = gin = None
     for p in range(num_mb + 2 * (P - 1)):
         fi, si, bi = p - r, p - (P - 1), p - 2 * (P - 1) + r
@@ -364,15 +367,10 @@ def lockstep(
         x, g = p2p.exchange(y, do_f, gin, do_b)
         y = gin = None
         if do_f:
-            if x is not None:
-                x = _Catch.apply(x.requires_grad_(), holders[fi])
-            out = forward_step(fi, x)
-            outputs[fi] = out
+            out = mbs.forward(fi, fi, x)
             y = None if lay.is_last_stage else out
         if slot is not None and 0 <= si < num_mb:
             slot(si)
         if do_b:
-            with comm.phase("backward"):
-                backward_step(bi, outputs.pop(bi), g)
-            gin = holders[bi].pop("grad", None)
+            gin = mbs.backward(bi, bi, g)
     # every stage's last input gradient crossed inside the loop, except the first stage's, which has no consumer
