@@ -1,13 +1,16 @@
 """Launchers of the CCE kernels and the dispatch of the shard maths to a backend.
 
 ``shard_forward`` / ``shard_backward`` are the per-slice pieces every output loss is built from (lse partial +
-target logit partial; backward for a given merged lse). Backends: ``gemm`` (GEMMs over bounded vocabulary chunks,
-``cce_gemm.py``; default on CUDA, decision 0203; its logit passes fused in Triton on sm_90+, ``cce_fused.py``, 0204), ``triton`` (the tile
-kernels of ``cce_kernels.py``: gradient filtering and the vocabulary sort, least memory), ``torch`` (the chunked
-reference, ``reference.py``; default on CPU, runs at real vocabulary sizes) and ``materialized`` (whole
-[rows, V_local] fp32 logits, ``materialized.py``; ``loss.impl=torch``). Which one runs is
-configuration (``loss.backend``, ``loss.impl``), never the environment; CPU tests run the kernels interpreted with
-``backend="triton"`` and TRITON_INTERPRET=1.
+target logit partial; backward for a given merged lse). Backends:
+
+* ``gemm``: GEMMs over bounded vocabulary chunks (``cce_gemm.py``; default on CUDA, decision 0203), its logit
+  passes fused in Triton on sm_90+ (``cce_fused.py``, decision 0204);
+* ``triton``: the tile kernels of ``cce_kernels.py`` (gradient filtering and the vocabulary sort, least memory);
+* ``torch``: the chunked reference (``reference.py``; default on CPU, runs at real vocabulary sizes);
+* ``materialized``: whole [rows, V_local] fp32 logits (``materialized.py``; ``loss.impl=torch``).
+
+Which one runs is configuration (``loss.backend``, ``loss.impl``), never the environment; CPU tests run the kernels
+interpreted with ``backend="triton"`` and TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
