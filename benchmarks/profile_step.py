@@ -8,8 +8,9 @@ Why: a filtered step that does less GPU work and still takes longer is host-boun
 on a one-GPU layout. Each mode's trainer warms up, times ``--steps`` steps (median, slowest rank), then runs one step
 under ``torch.profiler`` (CPU and CUDA) and reports the kernel time, the launch calls and the ops with the most own
 host time. Same layouts and modes as ``bench_e2e.py``. Writes ``profile_<layout>.json`` (``device``, ``cases``:
-mode, micro_batch_size, step_ms, gpu_kernel_ms, launches, host_self_cpu_ms, top_host_ops, top_kernels) and prints the
-table last (``--tables N``: the profiler's own tables too).
+mode, micro_batch_size, step_ms, gpu_kernel_ms (kernels only, no copies or fills), launches (host launch calls; a
+graph replay is one), host_self_cpu_ms, top_host_ops, top_kernels) and prints the table last (``--tables N``: the
+profiler's own tables too).
 Profiled host times run 1.3–2× slower than unprofiled ones: compare them between modes, not with ``step_ms``.
 """
 
@@ -34,7 +35,8 @@ from megasparse.config import load_config  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 from megasparse.train import Trainer  # noqa: E402
 
-_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+"""Launch calls on the host; a replayed CUDA graph is one (``train.cuda_graphs``, on by default)."""
 
 
 def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -> dict:
@@ -55,9 +57,10 @@ def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -
         bt._sync(tr.device)
     ka = prof.key_averages()
     cuda = torch.autograd.DeviceType.CUDA
-    kernel_us = sum(e.self_device_time_total for e in ka if e.device_type == cuda)
+    kernels = [e for e in ka if e.device_type == cuda and not e.key.startswith(("Memcpy", "Memset"))]
+    kernel_us = sum(e.self_device_time_total for e in kernels)
     ops = sorted((e for e in ka if e.key not in _LAUNCHES), key=lambda e: e.self_cpu_time_total, reverse=True)
-    kernels = sorted((e for e in ka if e.device_type == cuda), key=lambda e: e.self_device_time_total, reverse=True)
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     if tables and state.world_env()[0] == 0:
         for key in ("self_cuda_time_total", "self_cpu_time_total") if kernels else ("self_cpu_time_total",):
             print(ka.table(sort_by=key, row_limit=tables, max_name_column_width=60), flush=True)
@@ -83,6 +86,9 @@ def format_table(report: dict) -> str:
     head = f"{'mode':<14} {'mb':>3} {'step ms':>9} {'GPU ms':>8} {'launches':>9} {'host ms*':>9}  top host op (own ms)"
     lines = [f"profile | {report['device']} | {report['layout']}: {report['shape']}", head, "-" * len(head)]
     for c in report["cases"]:
+        if "error" in c:
+            lines.append(f"{c['mode']:<14} {c['micro_batch_size']:>3}  {c['error'][:60]}")
+            continue
         op = c["top_host_ops"][0] if c["top_host_ops"] else {"name": "-", "self_cpu_ms": 0.0}
         lines.append(
             f"{c['mode']:<14} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {c['gpu_kernel_ms']:8.1f} "
@@ -101,6 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--tables", type=int, default=0, help="also print the profiler's tables, this many rows")
+    p.add_argument("--gpu-warmup-s", type=float, default=10.0, help="GEMMs before the first case, to settle clocks")
+    p.add_argument("--tag", default="", help="suffix of the JSON's name: profile_<layout>_<tag>.json")
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(be.ROOT / "docs" / "benchmarks" / "data")))
     return p.parse_args(argv)
 
@@ -122,20 +130,27 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cases": [],
     }
-    if dev.type == "cuda":
-        be.warm_gpu(10.0, dev)
+    if dev.type == "cuda" and a.gpu_warmup_s > 0:
+        be.warm_gpu(a.gpu_warmup_s, dev)
     for mb in [int(x) for x in a.micro.split(",")]:
         for mode in modes:
             cfg = load_config(
                 str(be.ROOT / cfg_path), base_ov + [f"train.micro_batch_size={mb}"] + be.mode_overrides(mode)
             )
             bt.log0(f"--- {mode} micro_batch_size={mb} ---")
-            r = profile_case(cfg, a.warmup, a.steps, tables=a.tables)
+            try:
+                r = profile_case(cfg, a.warmup, a.steps, tables=a.tables)
+            except torch.OutOfMemoryError as e:  # the other cases still count
+                bt._free()
+                bt.log0(f"{mode} mb={mb}: {type(e).__name__}")
+                err = f"{type(e).__name__}: {e}"[:300]
+                report["cases"].append({"mode": mode, "micro_batch_size": mb, "error": err})
+                continue
             r["step_ms"] = max(x[0] for x in bt.gather_floats([r["step_ms"]], dev))  # the slowest rank's
             report["cases"].append({"mode": mode, "micro_batch_size": mb, **r})
     report["table"] = format_table(report)
     if state.world_env()[0] == 0:
-        out = Path(a.out_dir) / f"profile_{a.layout}.json"
+        out = Path(a.out_dir) / f"profile_{a.layout}{'_' + a.tag if a.tag else ''}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
         print(report["table"], flush=True)

@@ -113,8 +113,9 @@ def _profile_run(out: str) -> dict:
             "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
             "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=250", "train.global_batch_size=2",
             "train.eval_interval=0"]  # fmt: skip
-    rc = ps.main(["1gpu_tinyllama", *tiny, "--modes", "dense,collider", "--steps", "2", "--out-dir", out])
-    return {"rc": rc, "report": json.loads((Path(out) / "profile_1gpu_tinyllama.json").read_text())}
+    args = ["--modes", "dense,collider", "--steps", "2", "--gpu-warmup-s", "0", "--tag", "cpu", "--out-dir", out]
+    rc = ps.main(["1gpu_tinyllama", *tiny, *args])
+    return {"rc": rc, "report": json.loads((Path(out) / "profile_1gpu_tinyllama_cpu.json").read_text())}
 
 
 def test_profile_step_reports_each_mode(tmp_path) -> None:

@@ -146,6 +146,18 @@ LAYOUTS = {
         ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true", "filter.granularity=balanced"],
         "balanced",
     ),
+    # micro-batch 1 through TP, SP and the pipeline: the compact attention backward's in-order path
+    "tp2_sp_pp2_mb1": (
+        4,
+        [
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "parallel.sequence_parallel=true",
+            "train.micro_batch_size=1",
+            "filter.granularity=balanced",
+        ],
+        "balanced",
+    ),
     "tp2_sp_cce": (
         2,
         ["parallel.tp=2", "parallel.sequence_parallel=true", "loss.impl=cce", "loss.filter_eps=null"],

@@ -7,7 +7,9 @@ parameter, exp_avg, exp_avg_sq, step, mask, counter); (2) B's losses for the rem
 differ only by fp32 rounding: another TP/PP split sums in another order (see LOSS_TOL). (1) alone would pass a
 global form that is wrong but consistent (e.g. a fused [q; k; v] saved as the concat of ranks); (2) and (3) catch
 it: (3) where B also loads the weights as the reference model / inference do, B's ranks reassembled by
-``consolidate.unshard`` (independent of the checkpoint's placement code) equal the saved global tensors.
+``consolidate.unshard`` equal the saved global tensors. unshard and the checkpoint's placement state the TP split
+once (``shards.tp_pieces``), so (3) alone would pass a split that is wrong but consistent; the test of tp_pieces
+below holds that statement to the layers' own ``chunk``.
 """
 
 from __future__ import annotations
@@ -160,3 +162,20 @@ def test_what_cannot_reshard_is_one_line(tmp_path):
     assert "written before checkpoints became layout-independent" in e["old"], e
     assert e["dense_from_sparse_step"] == "1"
     assert all("\n" not in v for v in e.values())
+
+
+def test_tp_pieces_match_the_layers_split() -> None:
+    """shards.tp_pieces (checkpoints, unshard) against the split the layers make: each partition chunked over TP."""
+    from megasparse.parallel.consolidate import unshard
+    from megasparse.parallel.shards import tp_pieces
+
+    parts = [8, 4, 4]  # q | k | v of a fused GQA projection
+    full = torch.arange(16.0 * 3).view(16, 3)
+    for tp in (1, 2, 4):
+        shards = [torch.cat([p.chunk(tp)[r] for p in full.split(parts)]) for r in range(tp)]
+        for r, s in enumerate(shards):
+            for local, start, n in tp_pieces(parts, tp, r):
+                assert torch.equal(s[local : local + n], full[start : start + n])
+        assert torch.equal(unshard(shards, 0, parts), full)
+    with pytest.raises(ValueError, match="do not split"):
+        unshard([full[:7], full[7:]], 0, parts)

@@ -150,12 +150,13 @@ class AttentionFn(torch.autograd.Function):
         # One batched kernel over the micro-batch: each sequence's kept positions, padded at the end to the
         # longest. Padded queries get a zero output gradient, so they add nothing to any real dq/dk/dv, and
         # causal order keeps real queries off the padded keys: exact, whatever the per-sequence counts.
-        # Static counts (every sequence keeps the same number: the default selection, and any micro-batch of 1) need
-        # no padding row; one sequence also needs no reordering (its compact rows are its kept positions in order).
+        # Static counts (every sequence keeps the same number: the trainer's default selection) need no padding row;
+        # one sequence that keeps any rows needs no reordering either (its compact rows are its kept positions, in
+        # order).
         pos, sel = g.meta.padded_per_sequence()  # [b, m] positions, [b, m] compact rows (K = padding)
         k_rows, m = g.rows.shape[0], pos.shape[1]
         padded = g.meta.seq_count is None
-        in_order = not padded and b == 1
+        in_order = b == 1 and k_rows == m
         if in_order:
             go = g.rows.reshape(b, m, nq, d).permute(0, 2, 1, 3)
         else:

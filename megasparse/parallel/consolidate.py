@@ -12,11 +12,14 @@ from megasparse.parallel.shards import tp_pieces
 def unshard(shards: list[torch.Tensor], dim: int, partitions: list[int]) -> torch.Tensor:
     """Inverse of the TP split: each partition was chunked over ranks separately along ``dim``
     (``shards.tp_pieces``, the placement checkpoints use)."""
+    tp = len(shards)
+    if any(p % tp for p in partitions) or any(s.shape[dim] != sum(p // tp for p in partitions) for s in shards):
+        raise ValueError(f"unshard: shards {[tuple(s.shape) for s in shards]} do not split {partitions} over {tp}")
     shape = list(shards[0].shape)
     shape[dim] = sum(partitions)
     out = shards[0].new_empty(shape)
     for rank, s in enumerate(shards):
-        for local, start, n in tp_pieces(partitions, len(shards), rank):
+        for local, start, n in tp_pieces(partitions, tp, rank):
             out.narrow(dim, start, n).copy_(s.narrow(dim, local, n))
     return out
 

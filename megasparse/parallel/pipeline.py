@@ -239,7 +239,11 @@ class _InFlight:
         """Run micro-batch ``key``'s backward from its output; the gradient of its input (None on the first stage)."""
         with comm.phase("backward"):
             self.backward_step(mb, self.outputs.pop(key), g)
-        return self.caught.pop(key, {}).get("grad")
+        if key not in self.caught:
+            return None
+        caught = self.caught.pop(key)
+        assert "grad" in caught, f"micro-batch {key}: the backward did not reach the stage input"
+        return caught["grad"]
 
 
 def one_f_one_b(
