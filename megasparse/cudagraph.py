@@ -3,8 +3,9 @@
 Why: at micro-batch 1 the eager step is host-bound. A TinyLlama micro-batch launches ~2,000 kernels (~2,400 with
 the compact backward) through Python, autograd and the dispatcher; on an H100 the collider step spent 576 ms of
 GPU time inside an 810–910 ms step (decision 0007, when graphs came in; since then about 940 and 1,150 launches a
-micro-batch, dense and filtered: ``benchmarks/profile_step.py``). A replayed graph issues them all in one call. The compact backward is
-capturable because nothing in it reads device values on the host (docs/decisions/0006) and its shapes are static.
+micro-batch, dense and filtered: ``benchmarks/profile_step.py``). A replayed graph issues them all in one call.
+The compact backward is capturable because nothing in it reads device values on the host (docs/decisions/0006)
+and its shapes are static.
 
 What is captured, for a single-stage (pp = 1) CUDA run: token ids copied into a static buffer → model forward →
 per-token loss summed into a static accumulator → selection → the backward, which accumulates into pre-allocated
