@@ -177,9 +177,7 @@ def run(a: argparse.Namespace) -> int:
                     report["cases"].append({"mode": name, "micro_batch_size": mb, "error": "needs CUDA (skipped)"})
                 continue
             try:
-                # 2:4 with backend=auto spends its first 7 steps timing sparse against dense GEMMs (converter.py)
-                warm = max(a.warmup, 8) if cfg.sparsity.enabled and cfg.sparsity.backend == "auto" else a.warmup
-                r = run_mode(cfg, impl, warm, a.steps)
+                r = run_mode(cfg, impl, bt.warmup_steps(cfg, a.warmup), a.steps)
             except Exception as e:  # an OOM is itself a result; keep going
                 traceback.print_exc()
                 bt._free()

@@ -43,9 +43,7 @@ def time_pair(cfg_a, cfg_b, warmup: int, rounds: int) -> dict:
     """Build both trainers, warm each up, then ``rounds`` ABBA rounds; per-round B/A ratios of the slowest rank."""
     tr_a, tr_b = Trainer(cfg_a, init_groups=False), Trainer(cfg_b, init_groups=False)
     for tr, cfg in ((tr_a, cfg_a), (tr_b, cfg_b)):
-        # 2:4 with backend=auto spends its first 7 steps timing sparse against dense GEMMs (converter.py)
-        n = max(warmup, 8) if cfg.sparsity.enabled and cfg.sparsity.backend == "auto" else warmup
-        for _ in range(n):
+        for _ in range(bt.warmup_steps(cfg, warmup)):
             _step(tr)
     ta, tb = [], []
     for _ in range(rounds):

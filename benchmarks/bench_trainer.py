@@ -51,6 +51,16 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def warmup_steps(cfg, warmup: int) -> int:
+    """Steps to run before timing: 2:4 with backend=auto times sparse against dense GEMMs over its first steps
+    (``GemmAutotune.STEPS_NEEDED``, converter.py), which must not be among the timed ones."""
+    from megasparse.sparse24.converter import GemmAutotune
+
+    if cfg.sparsity.enabled and cfg.sparsity.backend == "auto":
+        return max(warmup, GemmAutotune.STEPS_NEEDED)
+    return warmup
+
+
 def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():

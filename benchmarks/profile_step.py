@@ -43,8 +43,7 @@ def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -
     """Warm up, time ``steps`` steps, profile one more: the case's numbers on this rank (``tables``: also print the
     profiler's tables by GPU and by own host time, that many rows, on rank 0)."""
     tr = Trainer(cfg, init_groups=False)
-    n = max(warmup, 8) if cfg.sparsity.enabled and cfg.sparsity.backend == "auto" else warmup
-    for _ in range(n):
+    for _ in range(bt.warmup_steps(cfg, warmup)):
         tr.train_step()
     times = []
     for _ in range(steps):

@@ -130,3 +130,15 @@ def test_profile_step_reports_each_mode(tmp_path) -> None:
         assert c["step_ms"] > 0 and c["host_self_cpu_ms"] > 0 and c["launches"] == 0  # no GPU: no launches
         assert c["top_host_ops"] and c["top_host_ops"][0]["self_cpu_ms"] >= c["top_host_ops"][-1]["self_cpu_ms"]
     assert r["report"]["table"].splitlines()[-1].startswith("*host ms")
+
+
+def test_warmup_covers_the_2to4_autotune() -> None:
+    """Timed steps start after 2:4's GEMM autotune (backend=auto), and only then."""
+    import bench_trainer as bt
+
+    from megasparse.config import load_config
+    from megasparse.sparse24.converter import GemmAutotune
+
+    sparse = load_config(None, ["sparsity.enabled=true", "sparsity.backend=auto"])
+    assert bt.warmup_steps(sparse, 2) == GemmAutotune.STEPS_NEEDED and bt.warmup_steps(sparse, 20) == 20
+    assert bt.warmup_steps(load_config(None, []), 2) == 2
