@@ -72,8 +72,25 @@ def _reset_peak(dev: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(dev)
 
 
+def graph_pool_gib(dev: torch.device) -> tuple[float, float]:
+    """(reserved, allocated) GiB in CUDA-graph private memory pools.
+
+    A captured graph's activations are freed in the allocator's books when its capture ends, yet the pool keeps
+    them for every replay: ``max_memory_allocated`` misses them."""
+    if dev.type != "cuda":
+        return 0.0, 0.0
+    segs = torch.cuda.memory._snapshot(dev)["segments"]
+    segs = [s for s in segs if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]  # (0, 0): the default pool
+    return sum(s["total_size"] for s in segs) / 2**30, sum(s["allocated_size"] for s in segs) / 2**30
+
+
 def _peak_gib(dev: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+    """Peak memory a step holds: the allocator's peak, with graph pools counted at their reserved size (what lives in
+    them is constant over replays, so the peak's share of them is what is allocated there now)."""
+    if dev.type != "cuda":
+        return float("nan")
+    reserved, allocated = graph_pool_gib(dev)
+    return torch.cuda.max_memory_allocated(dev) / 2**30 - allocated + reserved
 
 
 def gather_floats(values: list[float], dev: torch.device) -> list[list[float]]:
@@ -184,6 +201,7 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
         losses.append(loss)
         times.append(sec)
     mem = _peak_gib(dev) - leftover
+    pools = graph_pool_gib(dev)[0]
     prof = profile_table(step, dev, f"{impl} mb={cfg.train.micro_batch_size}") if profile else ""
     extra = after(step) if after is not None else None
     if getattr(keep, "graphs", None) is not None:  # a captured step's memory pool outlives the trainer otherwise
@@ -195,6 +213,7 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
     return {
         "times": times,
         "mem_gib": mem,
+        "graph_pool_gib": pools,
         "leftover_gib": leftover,
         "losses": [x for x in losses if x is not None],
         "profile": prof,
