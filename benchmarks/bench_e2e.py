@@ -9,11 +9,13 @@ train.dtype=fp32`` and tiny model overrides every megasparse mode runs on gloo r
 marked skipped; CPU times mean nothing).
 
 Layouts (``LAYOUTS``): ``1gpu_tinyllama`` (22 layers), ``2gpu_8b_tp2sp`` and ``4gpu_8b_tp2pp2sp`` (Llama-3-8B-shaped
-layers, 8 of them), ``4gpu_tinyllama_tp2pp2sp``, and ``1gpu_8b4l`` (4 Llama-3-8B-shaped layers with the 8B vocabulary
-on one GPU, where no multi-GPU machine is lent). In each, for every micro-batch size: megatron-core's GPTModel with
-flash attention (``benchmarks/mcore_anchor.py``, the anchor) and megasparse in every mode of ``MODES`` (or those of
-``--modes``, which also takes ``EXTRA_MODES``: the dense step with the loss pinned), same
-shapes, same global batch, same process group and call. Each case warms up, then times synchronised steps
+layers, 8 of them), ``4gpu_tinyllama_tp2pp2sp``, ``1gpu_8b4l`` (4 Llama-3-8B-shaped layers with the 8B vocabulary
+on one GPU, where no multi-GPU machine is lent), and the pipeline halves of the 4-GPU layouts on two GPUs,
+``2gpu_8b_pp2`` and ``2gpu_tinyllama_pp2`` (PP=2, no TP). In each, for every micro-batch size: megatron-core's
+GPTModel with flash attention (``benchmarks/mcore_anchor.py``, the anchor) and megasparse in every mode of
+``MODES`` (or those of ``--modes``, which also takes ``EXTRA_MODES``: the dense step with the loss pinned), same
+shapes, same global batch, same process group and call. ``dense/eager`` and ``collider/eager`` run with
+``train.cuda_graphs=false`` (what the captured step saves). Each case warms up, then times synchronised steps
 (median over steps, slowest rank). ``host_syncs_per_step`` counts, over one extra step, the synchronisations
 ``torch.cuda.set_sync_debug_mode("warn")`` reports (values read on the host: ``.item()``, ``nonzero``, copies to
 the host); the explicit end-of-step ``torch.cuda.synchronize`` of both trainers is not among them.
@@ -25,7 +27,9 @@ compact backward cost the same with any scorer). MFU counts the dense model's FL
 Writes ``e2e_<layout>.json`` (``device``, ``layout``, ``cases``: mode, micro_batch_size, step_ms, anchor_step_ms,
 ratio_vs_anchor, ratio_vs_dense, mfu, mem_gib, host_syncs_per_step, ...) and prints the table last. ``mem_gib`` is the
 peak allocated during the timed steps less what earlier cases left allocated (``leftover_gib``: megatron-core's
-anchor leaves about 10 GiB behind on TinyLlama, which the following case's peak used to include).
+anchor leaves about 10 GiB behind on TinyLlama, which the following case's peak used to include), with CUDA-graph
+pools counted at their reserved size (``graph_pool_gib``; the allocator's peak alone misses a replayed graph's
+activations: JSON written before 2026-11-26 undercounts the captured modes that way).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "1gpu_tinyllama": ("configs/gpu_1b_1gpu.yaml", 1, ["data.prefix=synthetic", "train.global_batch_size=8"]),
     "1gpu_8b4l": ("configs/gpu_8b4l_1gpu.yaml", 1, []),
     "2gpu_8b_tp2sp": ("configs/gpu_8b8l_tp2_sp.yaml", 2, []),
+    "2gpu_8b_pp2": ("configs/gpu_8b8l_pp2.yaml", 2, []),
+    "2gpu_tinyllama_pp2": ("configs/gpu_1b_pp2.yaml", 2, ["data.prefix=synthetic", "train.global_batch_size=8"]),
     "4gpu_8b_tp2pp2sp": ("configs/gpu_8b8l_tp2_pp2_sp.yaml", 4, []),
     "4gpu_tinyllama_tp2pp2sp": (
         "configs/gpu_1b_tp2_pp2.yaml",
@@ -74,9 +80,11 @@ MODES: dict[str, list[str]] = {
     "collider+2:4": _COLLIDER + _SPARSE,
     "all three": _COLLIDER + _CCE + _SPARSE,
 }
-EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense step with each loss pinned
+EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense step with each loss pinned, and eager
     "loss=torch": ["loss.impl=torch"],
     "loss=mcore": ["loss.impl=mcore"],
+    "dense/eager": ["train.cuda_graphs=false"],
+    "collider/eager": _COLLIDER + ["train.cuda_graphs=false"],
 }
 ALL_MODES = {**MODES, **EXTRA_MODES}
 ANCHOR = "mcore-sdpa"
@@ -198,6 +206,7 @@ def run(a: argparse.Namespace) -> int:
                 "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
                 "mem_gib": row["mem_gib_max_rank"],
                 "leftover_gib": max(x[0] for x in bt.gather_floats([r["leftover_gib"]], dev)),
+                "graph_pool_gib": max(x[0] for x in bt.gather_floats([r["graph_pool_gib"]], dev)),
                 "host_syncs_per_step": max(syncs),
                 "step_ms_per_rank": row["step_ms_per_rank"],
                 "step_ms_spread": row["step_ms_spread"],

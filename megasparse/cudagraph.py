@@ -13,6 +13,14 @@ per-token loss summed into a static accumulator → selection → the backward, 
 captured on the first training step after a few eager warm-up passes on a side stream (they compile kernels and
 pick GEMM algorithms; their effects are zeroed), and replayed once per micro-batch of every step.
 
+Pipeline stages (pp > 1, plain 1F1B: ``StageGraphs``): the P2P transfers stay eager between graphs; each in-flight
+slot of the stage (1F1B holds at most pp − rank micro-batches between forward and backward) gets a forward graph
+(static input → stage output) and a backward graph (static output gradient, dense or compact indices + rows → the
+caught input gradient and the ``.grad`` accumulation), both in the slot's own memory pool. The last stage runs its
+forward and backward back to back, so it is one graph. The first step runs eagerly (the warm-up: kernels
+compiled, the loss speed check, GEMM algorithms picked); the second captures every slot before its schedule starts
+and every later step replays them (docs/decisions/0007, addendum).
+
 2:4 sparse FFNs: before each step's replays every sparse GEMM brings its operands up to date in place on the
 host (``Sparse24Gemm.prepare_replay``); a mask refresh or the switch to dense fine-tuning changes the buffers the
 GEMMs read, and the graph is captured again (every ``sparsity.refresh_interval`` steps).
@@ -23,11 +31,15 @@ Where it is not exact or not capturable, ``capture_blocker`` names why, and the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megasparse.data.batch import Batch
+from megasparse.ops.compact import CompactGrad
+from megasparse.parallel import comm, state
+from megasparse.parallel.pipeline import StageComm, catch_grad, in_flight_slots
 
 
 def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
@@ -36,8 +48,13 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
         return "train.cuda_graphs=false"
     if device.type != "cuda":
         return "not on CUDA"
-    if pp > 1:
-        return "pipeline parallelism (stages exchange activations between micro-batches)"
+    if pp > 1 and cfg.parallel.virtual_stages > 1:
+        return "parallel.virtual_stages > 1 (the interleaved schedule's chunks run eagerly)"
+    if pp > 1 and cfg.filter.mode == "collider" and _unbalanced_sp_rows(cfg):
+        return (
+            f"filter.granularity={cfg.filter.granularity} under SP at pp > 1 (a stage learns its compact row count "
+            "from the indices; granularity=balanced fixes it)"
+        )
     f = cfg.filter
     if f.mode != "off" and f.scorer == "random":
         return "filter.scorer=random draws from a generator seeded per micro-batch on the host"
@@ -52,6 +69,17 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
     if cfg.parallel.distributed_optimizer:
         return "parallel.distributed_optimizer (bf16 gradients reach fp32 buffers through hooks; gathers are waited on)"
     return None
+
+
+def _unbalanced_sp_rows(cfg) -> bool:
+    """Whether an SP rank's share of the kept rows depends on the data (the selection does not balance shards)."""
+    from megasparse.filtering.selection import static_counts
+
+    sp = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+    if sp == 1:
+        return False
+    shape = (cfg.model.seq_length, cfg.train.micro_batch_size)
+    return static_counts(shape, cfg.filter.keep_ratio, cfg.filter.granularity, sp)[1] != sp
 
 
 def sparse_gemms(model: torch.nn.Module) -> list:
@@ -108,6 +136,141 @@ class MicrobatchGraph:
         self.graph.reset()
 
 
+@dataclass
+class _Slot:
+    """One in-flight micro-batch position of a pipeline stage: its static buffers and graphs."""
+
+    batch: Batch
+    """Static tokens (the first stage embeds the ids, the last reads the targets)."""
+    x: torch.Tensor | None
+    """Static stage input (None on the first stage)."""
+    pool: tuple = ()
+    caught: dict = field(default_factory=dict)
+    """The stage input's gradient, left by the backward replay (a static tensor or CompactGrad)."""
+    out: torch.Tensor | None = None
+    """Static stage output sent downstream (None on the last stage)."""
+    grad: torch.Tensor | None = None
+    """Static dense output gradient (None on the last stage and when it is compact)."""
+    idx: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    """Static compact output gradient: global kept indices and this rank's rows."""
+    fwd: torch.cuda.CUDAGraph | None = None
+    bwd: torch.cuda.CUDAGraph | None = None
+    """The last stage's one graph is ``fwd`` (forward, loss, selection and backward); ``bwd`` stays None."""
+
+
+class StageGraphs:
+    """A pipeline stage's 1F1B micro-batches as replayed CUDA graphs, one forward and one backward graph per
+    in-flight slot, each slot in its own memory pool.
+
+    Why per slot: up to pp − rank micro-batches are between forward and backward at once, each with its own saved
+    activations; a graph's activations live at fixed addresses, so each in-flight micro-batch needs its own. Micro-
+    batch i uses slot i mod slots: 1F1B starts i + slots only after i's backward (``pipeline.in_flight_slots``).
+    Why a pool per slot: a pool shared by graphs is safe only if they replay in capture order, and a slot's forward
+    replays again before the other slots' backwards. Received tensors are copied into the static buffers (one
+    activation-sized copy per micro-batch); what a graph leaves for sending is static and read before that slot's
+    next replay on the same stream.
+
+    The object is also the schedule's in-flight handler (``pipeline.one_f_one_b(..., in_flight=)``): ``forward`` and
+    ``backward`` take the received tensors and return what to send, like ``pipeline._InFlight``."""
+
+    def __init__(
+        self,
+        p2p: StageComm,
+        forward_step: Callable,
+        backward_step: Callable,
+        example: Batch,
+        acc: dict,
+        num_mb: int,
+    ):
+        lay = state.layout()
+        self.first, self.last = lay.is_first_stage, lay.is_last_stage
+        self.loss_acc = torch.zeros((), dtype=torch.float64, device=example.tokens.device)
+        acc["loss"] = self.loss_acc  # the last stage's forward adds each micro-batch's loss sum into it in place
+        self.batches: list[Batch] = []
+        self.slots: list[_Slot] = []
+        spec = p2p.spec
+        try:
+            for _ in range(1 if self.last else in_flight_slots(num_mb)):
+                x = None
+                if not self.first:
+                    x = torch.zeros(spec.act_shape, dtype=spec.dtype, device=spec.device).requires_grad_()
+                slot = _Slot(Batch(example.tokens.clone(), example.samples, example.positions), x)
+                slot.pool = torch.cuda.graph_pool_handle()
+                self.slots.append(slot)
+                self._capture(slot, p2p, forward_step, backward_step)
+        except Exception:
+            self.release()
+            raise
+
+    def _capture(self, s: _Slot, p2p: StageComm, forward_step: Callable, backward_step: Callable) -> None:
+        s.fwd = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread polls the eager P2P transfers' events while a stage captures
+        with torch.cuda.graph(s.fwd, pool=s.pool, capture_error_mode="thread_local"):
+            x = None if s.x is None else catch_grad(s.x, s.caught)
+            out = forward_step(0, x, 0, s.batch)
+            if self.last:
+                with comm.phase("backward"):
+                    backward_step(0, out, None)
+        if self.last:
+            return
+        s.out = out.detach()
+        n = p2p.static_grad_rows
+        dev, h = p2p.spec.device, p2p.spec.act_shape[-1]
+        if p2p.spec.kept_rows is None:
+            s.grad = torch.zeros(p2p.spec.act_shape, dtype=p2p.spec.dtype, device=dev)
+        else:  # any valid indices do for the capture: it reads none of them on the host
+            s.idx = torch.arange(p2p.spec.kept_rows(), device=dev)
+            s.rows = torch.zeros(n, h, dtype=p2p.spec.dtype, device=dev)
+        s.bwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(s.bwd, pool=s.pool, capture_error_mode="thread_local"), comm.phase("backward"):
+            g = s.grad if s.idx is None else p2p.compact_grad(s.idx, s.rows)
+            backward_step(0, out, g)
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    def start(self, batches: list[Batch], acc: dict) -> StageGraphs:
+        """Begin a step over ``batches``: the loss accumulator cleared and handed to ``acc``."""
+        self.batches = batches
+        self.loss_acc.zero_()
+        acc["loss"] = self.loss_acc
+        return self
+
+    def _slot(self, mb: int) -> _Slot:
+        return self.slots[mb % len(self.slots)]
+
+    def forward(self, key, mb: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        """Micro-batch ``mb``'s inputs into its slot, then its forward (the last stage's waits for ``backward``)."""
+        s = self._slot(mb)
+        s.batch.tokens.copy_(self.batches[mb].tokens, non_blocking=True)
+        if s.x is not None:
+            s.x.detach().copy_(x)
+        if self.last:
+            return None
+        s.fwd.replay()
+        return s.out
+
+    def backward(self, key, mb: int, g: torch.Tensor | None) -> torch.Tensor | None:
+        """Micro-batch ``mb``'s output gradient into its slot, its backward; the input gradient to send upstream."""
+        s = self._slot(mb)
+        if self.last:
+            s.fwd.replay()
+        else:
+            if isinstance(g, CompactGrad):
+                s.idx.copy_(g.meta.global_meta().idx)
+                s.rows.copy_(g.rows)
+            else:
+                s.grad.copy_(g)
+            s.bwd.replay()
+        return s.caught.get("grad")
+
+    def release(self) -> None:
+        for s in self.slots:
+            for graph in (s.fwd, s.bwd):
+                if graph is not None:
+                    graph.reset()
+        self.slots = []
+
+
 def _log0(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(msg, flush=True)
@@ -115,12 +278,17 @@ def _log0(msg: str) -> None:
 
 class CapturedSteps:
     """The trainer's side of it: capture when the run allows, capture again when the 2:4 operands change, and run
-    eagerly (saying why, once) when a capture fails."""
+    eagerly (saying why, once) when a capture fails. pp = 1 replays one captured micro-batch (``run``); pp > 1
+    replays a stage's per-slot graphs inside the 1F1B schedule (``stage``)."""
 
     def __init__(self, cfg, pp: int, device: torch.device, model: torch.nn.Module):
         self.blocker = capture_blocker(cfg, pp, device)
         self.model = model
+        self.pp = pp
         self.graph: MicrobatchGraph | None = None
+        self.stage_graphs: StageGraphs | None = None
+        self.warm = False
+        """pp > 1: whether an eager step ran since the last capture (or operand change): it is the warm-up."""
         self.key: tuple = ()
         self.recaptures: list[int] = []
         if device.type == "cuda" and self.blocker is not None:
@@ -129,19 +297,28 @@ class CapturedSteps:
     @property
     def active(self) -> bool:
         """A captured backward owns its ``.grad`` tensors: zero them in place, never set them to None."""
-        return self.graph is not None
+        return self.graph is not None or self.stage_graphs is not None
+
+    def _operands_changed(self, step: int) -> bool:
+        """Bring the 2:4 operands up to date in place; True (graphs released) when they moved to new buffers."""
+        key = tuple(g.prepare_replay() for g in sparse_gemms(self.model))  # 2:4 operands updated in place
+        changed = self.active and key != self.key
+        if changed:  # new masks or dense fine-tuning: capture again
+            self.release()
+            self.recaptures.append(step)
+        self.key = key
+        return changed
+
+    def _churning(self) -> bool:
+        r = self.recaptures
+        return len(r) >= 3 and r[-1] - r[-3] <= 2
 
     def run(self, batches: list[Batch], run_one: Callable[[Batch], None], acc: dict, step: int) -> bool:
         """Replay the captured micro-batch for each batch (capturing it first); False: run this step eagerly."""
         if self.blocker is not None:
             return False
-        key = tuple(g.prepare_replay() for g in sparse_gemms(self.model))  # 2:4 operands updated in place
-        if self.graph is not None and key != self.key:  # new masks or dense fine-tuning: capture again
-            self.release()
-            self.recaptures.append(step)
-            if len(self.recaptures) >= 3 and self.recaptures[-1] - self.recaptures[-3] <= 2:
-                return self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
-        self.key = key
+        if self._operands_changed(step) and self._churning():
+            return self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
         if self.graph is None:
             try:
                 self.graph = MicrobatchGraph(run_one, batches[0], list(self.model.parameters()), acc)
@@ -155,6 +332,39 @@ class CapturedSteps:
         self.graph.run(batches, acc)
         return True
 
+    def stage(
+        self,
+        batches: list[Batch],
+        p2p: StageComm,
+        forward_step: Callable,
+        backward_step: Callable,
+        acc: dict,
+        step: int,
+    ) -> StageGraphs | None:
+        """pp > 1: this step's in-flight handler for ``one_f_one_b`` (captured before the schedule when needed), or
+        None: run this step eagerly (blocked, the warm-up step after a capture is due, or a failed capture)."""
+        if self.blocker is not None:
+            return None
+        if self._operands_changed(step):
+            self.warm = False  # new operands: one eager step first, as at the start
+            if self._churning():
+                self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
+                return None
+        if self.stage_graphs is None:
+            if not self.warm:  # the eager step compiles kernels, times the loss and picks GEMM algorithms
+                self.warm = True
+                return None
+            try:
+                self.stage_graphs = StageGraphs(p2p, forward_step, backward_step, batches[0], acc, len(batches))
+            except Exception as e:  # noqa: BLE001 - an uncapturable op: say so once and stay eager
+                acc["loss"] = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
+                self._off(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                return None
+            n = len(self.stage_graphs.slots)
+            what = "one graph (forward + backward)" if self.stage_graphs.last else f"{n} forward + {n} backward graphs"
+            _log0(f"cuda graphs: pipeline stage captured as {what}, replayed inside 1F1B")
+        return self.stage_graphs.start(batches, acc)
+
     def _off(self, why: str) -> bool:
         self.blocker = why
         self.release()
@@ -165,3 +375,6 @@ class CapturedSteps:
         if self.graph is not None:
             self.graph.release()
             self.graph = None
+        if self.stage_graphs is not None:
+            self.stage_graphs.release()
+            self.stage_graphs = None

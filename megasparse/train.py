@@ -161,7 +161,7 @@ class Trainer:
             torch.autograd.backward(out, g)
 
         replay = lambda b: backward_step(0, forward_step(0, None, 0, b), None)  # noqa: E731
-        if train and self.graphs.run(batches, replay, acc, self.step):  # one captured micro-batch, replayed
+        if train and self.lay.pp == 1 and self.graphs.run(batches, replay, acc, self.step):  # one graph, replayed
             pass
         elif train and self.model.vocab_pp:  # the output layer's slices meet once per micro-batch: lock step
             peer = self.vocab_peer
@@ -169,8 +169,9 @@ class Trainer:
             lockstep(len(batches), self.p2p, forward_step, backward_step, slot)
             if emb_pp is not None:
                 emb_pp.backward_all(None if inputs is None else [c.get("grad") for c in caught])
-        elif train:
-            one_f_one_b(len(batches), self.p2p, forward_step, backward_step)
+        elif train:  # pp > 1: each stage's micro-batches replay its captured graphs between eager transfers
+            graphs = self.graphs.stage(batches, self.p2p, forward_step, backward_step, acc, self.step)
+            one_f_one_b(len(batches), self.p2p, forward_step, backward_step, graphs)
         else:
             peer = self.vocab_peer  # loss.vocab_over_pp: this stage's slice joins each micro-batch's loss
             after = None if peer is None else lambda i: peer.step(batches[i].targets, train=False)

@@ -99,6 +99,18 @@ class StageComm:
             ops.append(("recv", rows_buf, self.next))
         return ops, (idx, rows_buf)
 
+    def local_meta(self, idx: torch.Tensor) -> KeepMeta:
+        """This rank's kept-row meta from the global (TP-region) indices a compact gradient arrives with."""
+        s_local, b, _ = self.spec.act_shape
+        tp = self._sp()
+        gmeta = KeepMeta(idx, s_local * b * tp, b, seq_count=self.spec.seq_count, shards=self.spec.shards)
+        return rows.sp_split(gmeta, tp, self.lay.tp_rank)[0] if tp > 1 else gmeta
+
+    def compact_grad(self, idx: torch.Tensor, rows_: torch.Tensor) -> CompactGrad:
+        """The stage output's compact gradient from its global indices and this rank's rows (a captured backward
+        builds it from static buffers the same way)."""
+        return CompactGrad(rows_, self.local_meta(idx), self.spec.act_shape)
+
     def _recv_grad_phase2(self, bufs: tuple, sends: list | None = None) -> torch.Tensor:
         """The received gradient; ``sends`` (rows held back by ``send_recv``) go in the rows' batch."""
         buf, r = bufs
@@ -106,17 +118,20 @@ class StageComm:
         if self.spec.kept_rows is None:
             comm.p2p(sends, self.group)
             return buf
-        s_local, b, h = self.spec.act_shape
-        tp = self._sp()
-        gmeta = KeepMeta(buf, s_local * b * tp, b, seq_count=self.spec.seq_count, shards=self.spec.shards)
-        meta = gmeta
-        if tp > 1:
-            meta, _ = rows.sp_split(gmeta, tp, self.lay.tp_rank)
+        meta = self.local_meta(buf)
         if r is None:  # unbalanced shards: this rank's count comes from the indices
-            r = torch.empty(meta.idx.numel(), h, dtype=self.spec.dtype, device=self.spec.device)
+            r = torch.empty(meta.idx.numel(), self.spec.act_shape[-1], dtype=self.spec.dtype, device=self.spec.device)
             sends = sends + [("recv", r, self.next)]
         comm.p2p(sends, self.group)
         return CompactGrad(r, meta, self.spec.act_shape)
+
+    @property
+    def static_grad_rows(self) -> int | None:
+        """Rows of this rank's output gradient, when the config fixes them: dense rows, or the compact count
+        (None: an unbalanced selection under SP, whose count only the indices tell)."""
+        if self.spec.kept_rows is None:
+            return None
+        return self._static_rows()
 
     # -- the four transfers (and the two fused ones of the steady state) ------------------------
     def recv_forward(self) -> torch.Tensor | None:
@@ -246,11 +261,19 @@ class _InFlight:
         return caught["grad"]
 
 
+def in_flight_slots(num_mb: int) -> int:
+    """Micro-batches this stage holds between forward and backward at most under 1F1B (its warm-up plus one):
+    micro-batch i + slots starts its forward only after micro-batch i's backward."""
+    lay = state.layout()
+    return max(1, min(lay.pp - lay.pp_rank, num_mb))
+
+
 def one_f_one_b(
     num_mb: int,
     p2p: StageComm,
     forward_step: Callable[[int, torch.Tensor | None], torch.Tensor],
     backward_step: Callable[[int, torch.Tensor, torch.Tensor | None], None],
+    in_flight=None,
 ) -> None:
     """Non-interleaved 1F1B: warm-up forwards, steady one-forward-one-backward, cool-down backwards.
 
@@ -258,12 +281,14 @@ def one_f_one_b(
     ``backward_step(i, output, grad)`` runs autograd from it. The input gradient that goes upstream
     is caught at the stage entry, so compact gradients never reach a leaf. A ``p2p`` of several chunks runs
     the interleaved schedule instead (``interleaved_1f1b``), with ``forward_step(i, input, chunk)``.
+    ``in_flight``: what runs a micro-batch's forward and backward (default: eagerly, ``_InFlight``; the trainer
+    passes replayed CUDA graphs, ``cudagraph.StageGraphs``, with the same ``forward``/``backward``).
     """
     if p2p.chunks > 1:
         return interleaved_1f1b(num_mb, p2p, forward_step, backward_step)
     lay = state.layout()
     warmup = min(lay.pp - lay.pp_rank - 1, num_mb)
-    mbs = _InFlight(forward_step, backward_step)
+    mbs = in_flight if in_flight is not None else _InFlight(forward_step, backward_step)
     fi = bi = 0
     for _ in range(warmup):
         y = mbs.forward(fi, fi, p2p.recv_forward())

@@ -78,8 +78,9 @@ def profile(
     """
     from megasparse.train import Trainer
 
+    # every transfer is recorded as Python issues it; a replayed CUDA graph issues its collectives without Python
+    overrides = list(overrides) + ["train.cuda_graphs=false"]
     cfg = load_config(config, overrides)
-    overrides = list(overrides)
     fallback = missing_reference(cfg)
     if fallback:
         # Volumes follow the static kept count; only SP padding depends on which tokens win (decision 0601).
