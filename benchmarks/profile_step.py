@@ -4,9 +4,9 @@
         [--steps 4] [--out-dir docs/benchmarks/data] [section.key=value ...]
 
 Why: a filtered step that does less GPU work and still takes longer is host-bound, and only a profile says so. With
-``train.cuda_graphs=false`` this shows what a pipeline stage pays (stages run eagerly: ``cudagraph.capture_blocker``)
-on a one-GPU layout. Each mode's trainer warms up, times ``--steps`` steps (median, slowest rank), then runs one step
-under ``torch.profiler`` (CPU and CUDA) and reports the kernel time, the launch calls and the ops with the most own
+``train.cuda_graphs=false`` this shows what an eager step pays (what stays eager: ``cudagraph.capture_blocker``).
+Each mode's trainer warms up, times ``--steps`` steps (median, slowest rank), then runs one step under
+``torch.profiler`` (CPU and CUDA) and reports the kernel time, the launch calls and the ops with the most own
 host time. Same layouts and modes as ``bench_e2e.py``. Writes ``profile_<layout>.json`` (``device``, ``cases``:
 mode, micro_batch_size, step_ms, gpu_kernel_ms (kernels only, no copies or fills), launches (host launch calls; a
 graph replay is one), host_self_cpu_ms, top_host_ops, top_kernels) and prints the table last (``--tables N``: the

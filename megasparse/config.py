@@ -47,8 +47,9 @@ class TrainConfig:
     """auto (cuda if available), cuda or cpu."""
     deterministic: bool = False
     cuda_graphs: bool = True
-    """Capture one micro-batch's forward, selection and backward in a CUDA graph and replay it (single-stage CUDA
-    runs whose step reads nothing on the host: megasparse/cudagraph.py says which); otherwise run eagerly."""
+    """Replay CUDA graphs instead of launching each kernel from Python: one micro-batch's forward, selection and
+    backward at pp = 1; each pipeline stage's forward and backward per 1F1B slot at pp > 1 (after one eager warm-up
+    step). CUDA runs whose step reads nothing on the host; megasparse/cudagraph.py says which stay eager and why."""
     max_skipped_steps: int = 10
     """Stop (exit 2) after this many consecutive steps with a non-finite loss or gradient norm; each is skipped."""
 

@@ -50,11 +50,18 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
         return "not on CUDA"
     if pp > 1 and cfg.parallel.virtual_stages > 1:
         return "parallel.virtual_stages > 1 (the interleaved schedule's chunks run eagerly)"
-    if pp > 1 and cfg.filter.mode == "collider" and _unbalanced_sp_rows(cfg):
-        return (
-            f"filter.granularity={cfg.filter.granularity} under SP at pp > 1 (a stage learns its compact row count "
-            "from the indices; granularity=balanced fixes it)"
-        )
+    if cfg.filter.mode == "collider":
+        seq_count, shards = _static_counts(cfg)
+        if seq_count is None and cfg.train.micro_batch_size > 1:
+            return (
+                f"filter.granularity={cfg.filter.granularity} at micro_batch_size > 1 (the compact attention backward "
+                "reads each sequence's kept count on the host; granularity=balanced or sequence fixes it)"
+            )
+        if shards != _sp(cfg):
+            return (
+                f"filter.granularity={cfg.filter.granularity} under SP (each SP rank's kept count is read from the "
+                "indices on the host; granularity=balanced fixes it)"
+            )
     f = cfg.filter
     if f.mode != "off" and f.scorer == "random":
         return "filter.scorer=random draws from a generator seeded per micro-batch on the host"
@@ -71,15 +78,17 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
     return None
 
 
-def _unbalanced_sp_rows(cfg) -> bool:
-    """Whether an SP rank's share of the kept rows depends on the data (the selection does not balance shards)."""
+def _sp(cfg) -> int:
+    return cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+
+
+def _static_counts(cfg) -> tuple[int | None, int]:
+    """(kept rows per sequence, SP shards balanced) that the selection fixes by shape (``selection.static_counts``)."""
     from megasparse.filtering.selection import static_counts
 
-    sp = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-    if sp == 1:
-        return False
+    f = cfg.filter
     shape = (cfg.model.seq_length, cfg.train.micro_batch_size)
-    return static_counts(shape, cfg.filter.keep_ratio, cfg.filter.granularity, sp)[1] != sp
+    return static_counts(shape, f.keep_ratio, f.granularity, _sp(cfg))
 
 
 def sparse_gemms(model: torch.nn.Module) -> list:
@@ -271,6 +280,16 @@ class StageGraphs:
         self.slots = []
 
 
+def _root_cause(e: BaseException) -> str:
+    """The first error of a failed capture: ending the capture raises its own error, which hides the cause (a host
+    synchronisation, an allocation the capture forbids) in its context."""
+    for _ in range(8):
+        if e.__cause__ is None and e.__context__ is None:
+            break
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+
+
 def _log0(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(msg, flush=True)
@@ -291,6 +310,9 @@ class CapturedSteps:
         """pp > 1: whether an eager step ran since the last capture (or operand change): it is the warm-up."""
         self.key: tuple = ()
         self.recaptures: list[int] = []
+        """pp = 1: steps whose operand move released a captured graph."""
+        self.moves: list[int] = []
+        """pp > 1: steps whose 2:4 operands moved (each costs an eager step and a capture)."""
         if device.type == "cuda" and self.blocker is not None:
             _log0(f"cuda graphs off: {self.blocker}")
 
@@ -299,25 +321,23 @@ class CapturedSteps:
         """A captured backward owns its ``.grad`` tensors: zero them in place, never set them to None."""
         return self.graph is not None or self.stage_graphs is not None
 
-    def _operands_changed(self, step: int) -> bool:
-        """Bring the 2:4 operands up to date in place; True (graphs released) when they moved to new buffers."""
+    def _new_operands(self, step: int) -> bool:
+        """Bring the 2:4 operands up to date in place; True when they moved to new buffers (graphs that read the old
+        ones are released: new masks, the autotune's switch, dense fine-tuning)."""
         key = tuple(g.prepare_replay() for g in sparse_gemms(self.model))  # 2:4 operands updated in place
-        changed = self.active and key != self.key
-        if changed:  # new masks or dense fine-tuning: capture again
+        moved = key != self.key
+        if moved and self.active:
             self.release()
             self.recaptures.append(step)
         self.key = key
-        return changed
-
-    def _churning(self) -> bool:
-        r = self.recaptures
-        return len(r) >= 3 and r[-1] - r[-3] <= 2
+        return moved
 
     def run(self, batches: list[Batch], run_one: Callable[[Batch], None], acc: dict, step: int) -> bool:
         """Replay the captured micro-batch for each batch (capturing it first); False: run this step eagerly."""
         if self.blocker is not None:
             return False
-        if self._operands_changed(step) and self._churning():
+        r = self.recaptures
+        if self._new_operands(step) and len(r) >= 3 and r[-1] - r[-3] <= 2:
             return self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
         if self.graph is None:
             try:
@@ -327,7 +347,7 @@ class CapturedSteps:
                     if p.grad is not None:
                         p.grad.zero_()
                 acc["loss"] = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
-                return self._off(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                return self._off(f"capture failed ({_root_cause(e)})")
             _log0(f"cuda graphs: one micro-batch captured, replayed {len(batches)}x per step")
         self.graph.run(batches, acc)
         return True
@@ -342,12 +362,17 @@ class CapturedSteps:
         step: int,
     ) -> StageGraphs | None:
         """pp > 1: this step's in-flight handler for ``one_f_one_b`` (captured before the schedule when needed), or
-        None: run this step eagerly (blocked, the warm-up step after a capture is due, or a failed capture)."""
+        None: run this step eagerly (blocked, the warm-up step before a capture, or a failed capture).
+
+        Every operand move costs one eager step with the new operands (the warm-up) and a capture on the next: a
+        stage whose operands move on three steps in a row would never replay, so it stops trying."""
         if self.blocker is not None:
             return None
-        if self._operands_changed(step):
-            self.warm = False  # new operands: one eager step first, as at the start
-            if self._churning():
+        first = not self.key  # the first key (or none: no 2:4 GEMMs) is no move
+        if self._new_operands(step) and not first:
+            self.warm = False
+            self.moves.append(step)
+            if len(self.moves) >= 3 and self.moves[-1] - self.moves[-3] <= 2:
                 self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
                 return None
         if self.stage_graphs is None:
@@ -358,7 +383,7 @@ class CapturedSteps:
                 self.stage_graphs = StageGraphs(p2p, forward_step, backward_step, batches[0], acc, len(batches))
             except Exception as e:  # noqa: BLE001 - an uncapturable op: say so once and stay eager
                 acc["loss"] = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
-                self._off(f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                self._off(f"capture failed ({_root_cause(e)})")
                 return None
             n = len(self.stage_graphs.slots)
             what = "one graph (forward + backward)" if self.stage_graphs.last else f"{n} forward + {n} backward graphs"
@@ -366,9 +391,12 @@ class CapturedSteps:
         return self.stage_graphs.start(batches, acc)
 
     def _off(self, why: str) -> bool:
+        """Stay eager from now on. Said on every rank it happens on: stages and TP ranks may differ (a rank that
+        replays and one that runs eagerly issue the same transfers and collectives, so they still meet)."""
         self.blocker = why
         self.release()
-        _log0(f"cuda graphs off: {why}")
+        rank = f"rank {dist.get_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
+        print(f"{rank}cuda graphs off: {why}", flush=True)
         return False
 
     def release(self) -> None:

@@ -15,6 +15,7 @@ from megasparse.cudagraph import capture_blocker
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing is allocated
 _COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
+_MB1 = ["train.micro_batch_size=1"]
 
 
 def _blocker(*overrides: str, pp: int = 2) -> str | None:
@@ -29,7 +30,8 @@ def _blocker(*overrides: str, pp: int = 2) -> str | None:
         _COLLIDER,
         _COLLIDER + ["parallel.tp=2", "parallel.sequence_parallel=true"],
         _COLLIDER + ["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=1"],
-        _COLLIDER + ["filter.granularity=microbatch"],  # no SP: a stage's row count is the kept total
+        _COLLIDER + ["filter.granularity=microbatch", "train.micro_batch_size=1"],  # one sequence, no SP: static
+        _COLLIDER + ["filter.granularity=shard", "parallel.tp=2", "parallel.sequence_parallel=true"] + _MB1,
         ["loss.impl=cce", "sparsity.enabled=true"],
     ],
 )
@@ -44,8 +46,10 @@ def test_plain_1f1b_stages_capture(overrides: list[str]) -> None:
         (["loss.vocab_over_pp=true"], "vocab_over_pp"),
         (
             _COLLIDER + ["parallel.tp=2", "parallel.sequence_parallel=true", "filter.granularity=sequence"],
-            "filter.granularity=sequence",
+            "filter.granularity=sequence under SP",
         ),
+        (_COLLIDER + ["filter.granularity=microbatch"], "at micro_batch_size > 1"),  # per-sequence counts on the host
+        (_COLLIDER + ["filter.granularity=shard"], "at micro_batch_size > 1"),
         (_COLLIDER[:-1] + ["filter.scorer=random"], "filter.scorer=random"),
         (["train.cuda_graphs=false"], "train.cuda_graphs=false"),
     ],
@@ -55,6 +59,75 @@ def test_stages_that_stay_eager_say_why(overrides: list[str], says: str) -> None
     assert why is not None and says in why, why
 
 
+@pytest.mark.parametrize("granularity", ["microbatch", "shard"])
+def test_host_read_selections_stay_eager_at_pp1_too(granularity: str) -> None:
+    """Per-sequence counts read on the host break a single-stage capture as well (it used to fail and fall back)."""
+    assert "micro_batch_size > 1" in _blocker(*_COLLIDER, f"filter.granularity={granularity}", pp=1)
+    assert _blocker(*_COLLIDER, f"filter.granularity={granularity}", *_MB1, pp=1) is None
+
+
 def test_cpu_runs_stay_eager() -> None:
     cfg = load_config(None, tiny(model__num_layers=4) + ["parallel.pp=2"])
     assert capture_blocker(cfg, 2, torch.device("cpu")) == "not on CUDA"
+
+
+class _Operands:
+    """Stands in for a 2:4 GEMM adapter: ``prepare_replay`` names the buffers its GEMMs read (moved by ``move``)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def move(self) -> None:
+        self.version += 1
+
+    def prepare_replay(self) -> tuple:
+        return ("fc1", self.version)
+
+
+class _Captured:
+    """Stands in for StageGraphs (CUDA-only): counts captures, hands itself to the schedule."""
+
+    made = 0
+
+    def __init__(self, *args) -> None:
+        type(self).made += 1
+        self.slots, self.last = [0], True
+
+    def start(self, batches, acc):
+        return self
+
+    def release(self) -> None:
+        pass
+
+
+def _stage_steps(monkeypatch, moves: set[int], steps: int) -> tuple[list[str], object]:
+    """What ``CapturedSteps.stage`` does on each step at pp = 2 when the 2:4 operands move on ``moves``."""
+    from megasparse import cudagraph
+
+    ops = _Operands()
+    monkeypatch.setattr(cudagraph, "sparse_gemms", lambda model: [ops])
+    monkeypatch.setattr(cudagraph, "StageGraphs", _Captured)
+    _Captured.made = 0
+    cfg = load_config(None, tiny(model__num_layers=4) + ["parallel.pp=2"])
+    cs = cudagraph.CapturedSteps(cfg, 2, CUDA, torch.nn.Linear(2, 2))
+    seen, made = [], 0
+    for step in range(steps):
+        if step in moves:
+            ops.move()
+        got = cs.stage([None], None, None, None, {}, step)
+        seen.append("eager" if got is None else ("capture" if _Captured.made > made else "replay"))
+        made = _Captured.made
+    return seen, cs
+
+
+def test_stage_warms_up_eagerly_before_each_capture(monkeypatch) -> None:
+    seen, cs = _stage_steps(monkeypatch, {4}, 8)
+    assert seen == ["eager", "capture", "replay", "replay", "eager", "capture", "replay", "replay"]
+    assert cs.blocker is None
+
+
+def test_stage_gives_up_when_operands_move_every_step(monkeypatch) -> None:
+    """Each move costs an eager step, so operands moving on every step would never be replayed: stop trying."""
+    seen, cs = _stage_steps(monkeypatch, {1, 2, 3}, 6)
+    assert seen == ["eager"] * 6
+    assert "every step" in cs.blocker

@@ -127,8 +127,8 @@ class StageComm:
 
     @property
     def static_grad_rows(self) -> int | None:
-        """Rows of this rank's output gradient, when the config fixes them: dense rows, or the compact count
-        (None: an unbalanced selection under SP, whose count only the indices tell)."""
+        """This rank's compact output-gradient rows when the config fixes them; None for a dense gradient (no
+        compact rows) and for an unbalanced selection under SP (only the indices tell the count)."""
         if self.spec.kept_rows is None:
             return None
         return self._static_rows()
