@@ -153,7 +153,8 @@ class _Slot:
     """Static tokens (the first stage embeds the ids, the last reads the targets)."""
     x: torch.Tensor | None
     """Static stage input (None on the first stage)."""
-    pool: tuple = ()
+    pool: tuple
+    """The slot's graph memory pool (its forward and backward graphs share it)."""
     caught: dict = field(default_factory=dict)
     """The stage input's gradient, left by the backward replay (a static tensor or CompactGrad)."""
     out: torch.Tensor | None = None
@@ -204,8 +205,8 @@ class StageGraphs:
                 x = None
                 if not self.first:
                     x = torch.zeros(spec.act_shape, dtype=spec.dtype, device=spec.device).requires_grad_()
-                slot = _Slot(Batch(example.tokens.clone(), example.samples, example.positions), x)
-                slot.pool = torch.cuda.graph_pool_handle()
+                tokens = Batch(example.tokens.clone(), example.samples, example.positions)
+                slot = _Slot(tokens, x, torch.cuda.graph_pool_handle())
                 self.slots.append(slot)
                 self._capture(slot, p2p, forward_step, backward_step)
         except Exception:
@@ -224,13 +225,12 @@ class StageGraphs:
         if self.last:
             return
         s.out = out.detach()
-        n = p2p.static_grad_rows
-        dev, h = p2p.spec.device, p2p.spec.act_shape[-1]
-        if p2p.spec.kept_rows is None:
-            s.grad = torch.zeros(p2p.spec.act_shape, dtype=p2p.spec.dtype, device=dev)
+        spec = p2p.spec
+        if spec.kept_rows is None:
+            s.grad = torch.zeros(spec.act_shape, dtype=spec.dtype, device=spec.device)
         else:  # any valid indices do for the capture: it reads none of them on the host
-            s.idx = torch.arange(p2p.spec.kept_rows(), device=dev)
-            s.rows = torch.zeros(n, h, dtype=p2p.spec.dtype, device=dev)
+            s.idx = torch.arange(spec.kept_rows(), device=spec.device)
+            s.rows = torch.zeros(p2p.static_rows(), spec.act_shape[-1], dtype=spec.dtype, device=spec.device)
         s.bwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(s.bwd, pool=s.pool, capture_error_mode="thread_local"), comm.phase("backward"):
             g = s.grad if s.idx is None else p2p.compact_grad(s.idx, s.rows)
@@ -250,7 +250,8 @@ class StageGraphs:
     def forward(self, key, mb: int, x: torch.Tensor | None) -> torch.Tensor | None:
         """Micro-batch ``mb``'s inputs into its slot, then its forward (the last stage's waits for ``backward``)."""
         s = self._slot(mb)
-        s.batch.tokens.copy_(self.batches[mb].tokens, non_blocking=True)
+        if self.first or self.last:  # the ids to embed, the targets of the loss
+            s.batch.tokens.copy_(self.batches[mb].tokens, non_blocking=True)
         if s.x is not None:
             s.x.detach().copy_(x)
         if self.last:
@@ -280,6 +281,11 @@ class StageGraphs:
         self.slots = []
 
 
+def _every_step(steps: list[int]) -> bool:
+    """Whether the last three of these steps fall within three consecutive steps (2:4 operands that keep moving)."""
+    return len(steps) >= 3 and steps[-1] - steps[-3] <= 2
+
+
 def _root_cause(e: BaseException) -> str:
     """The first error of a failed capture: ending the capture raises its own error, which hides the cause (a host
     synchronisation, an allocation the capture forbids) in its context."""
@@ -303,7 +309,6 @@ class CapturedSteps:
     def __init__(self, cfg, pp: int, device: torch.device, model: torch.nn.Module):
         self.blocker = capture_blocker(cfg, pp, device)
         self.model = model
-        self.pp = pp
         self.graph: MicrobatchGraph | None = None
         self.stage_graphs: StageGraphs | None = None
         self.warm = False
@@ -336,8 +341,7 @@ class CapturedSteps:
         """Replay the captured micro-batch for each batch (capturing it first); False: run this step eagerly."""
         if self.blocker is not None:
             return False
-        r = self.recaptures
-        if self._new_operands(step) and len(r) >= 3 and r[-1] - r[-3] <= 2:
+        if self._new_operands(step) and _every_step(self.recaptures):
             return self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
         if self.graph is None:
             try:
@@ -372,7 +376,7 @@ class CapturedSteps:
         if self._new_operands(step) and not first:
             self.warm = False
             self.moves.append(step)
-            if len(self.moves) >= 3 and self.moves[-1] - self.moves[-3] <= 2:
+            if _every_step(self.moves):
                 self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
                 return None
         if self.stage_graphs is None:

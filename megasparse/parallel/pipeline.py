@@ -79,7 +79,7 @@ class StageComm:
     def _sp(self) -> int:
         return self.lay.tp if self.lay.sequence_parallel else 1
 
-    def _static_rows(self) -> int | None:
+    def static_rows(self) -> int | None:
         """This rank's compact row count when the selection fixes it (then no wait on the indices)."""
         k, tp = self.spec.kept_rows(), self._sp()
         if tp == 1 or self.spec.shards == tp:
@@ -92,7 +92,7 @@ class StageComm:
             return [("recv", buf, self.next)], (buf, None)
         idx = torch.empty(self.spec.kept_rows(), dtype=torch.long, device=self.spec.device)
         ops = [("recv", idx, self.next)]
-        n = self._static_rows()
+        n = self.static_rows()
         rows_buf = None
         if n is not None:  # row count known from the config: post the rows with the indices
             rows_buf = torch.empty(n, self.spec.act_shape[-1], dtype=self.spec.dtype, device=self.spec.device)
@@ -124,14 +124,6 @@ class StageComm:
             sends = sends + [("recv", r, self.next)]
         comm.p2p(sends, self.group)
         return CompactGrad(r, meta, self.spec.act_shape)
-
-    @property
-    def static_grad_rows(self) -> int | None:
-        """This rank's compact output-gradient rows when the config fixes them; None for a dense gradient (no
-        compact rows) and for an unbalanced selection under SP (only the indices tell the count)."""
-        if self.spec.kept_rows is None:
-            return None
-        return self._static_rows()
 
     # -- the four transfers (and the two fused ones of the steady state) ------------------------
     def recv_forward(self) -> torch.Tensor | None:
@@ -208,7 +200,7 @@ class StageComm:
         later: list = []
         if g is not None:
             sends = [(*op, "backward") for op in self._grad_ops(g)]
-            split = isinstance(g, CompactGrad) and self._static_rows() is None
+            split = isinstance(g, CompactGrad) and self.static_rows() is None
             ops, later = (ops + sends[:1], sends[1:]) if split else (ops + sends, [])
         bufs = None
         if want_g:
