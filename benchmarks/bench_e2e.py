@@ -67,6 +67,15 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
         4,
         ["data.prefix=synthetic", "train.global_batch_size=8"],
     ),
+    # issue 16's data-parallel layouts (dp = 2 next to the dp = 1 layouts above) and the interleaved pipeline
+    "4gpu_8b_tp2sp_dp2": ("configs/gpu_8b8l_tp2_sp.yaml", 4, ["parallel.distributed_optimizer=true"]),
+    "4gpu_8b_pp2_dp2": ("configs/gpu_8b8l_pp2.yaml", 4, ["parallel.distributed_optimizer=true"]),
+    "4gpu_8b_pp4v2": ("configs/gpu_8b8l_pp2.yaml", 4, ["parallel.pp=4", "parallel.virtual_stages=2"]),
+    "4gpu_tinyllama_tp2pp2": (
+        "configs/gpu_1b_tp2_pp2.yaml",
+        4,
+        ["data.prefix=synthetic", "train.global_batch_size=8", "parallel.sequence_parallel=false"],
+    ),
 }
 _COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
 _CCE = ["loss.impl=cce"]
@@ -85,6 +94,7 @@ EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense st
     "loss=mcore": ["loss.impl=mcore"],
     "dense/eager": ["train.cuda_graphs=false"],
     "collider/eager": _COLLIDER + ["train.cuda_graphs=false"],
+    "loss_mask": ["filter.mode=loss_mask", "filter.keep_ratio=0.6", "filter.scorer=loss"],
 }
 ALL_MODES = {**MODES, **EXTRA_MODES}
 ANCHOR = "mcore-sdpa"
@@ -207,6 +217,7 @@ def run(a: argparse.Namespace) -> int:
                 "mem_gib": row["mem_gib_max_rank"],
                 "leftover_gib": max(x[0] for x in bt.gather_floats([r["leftover_gib"]], dev)),
                 "graph_pool_gib": max(x[0] for x in bt.gather_floats([r["graph_pool_gib"]], dev)),
+                "optim_state_gib": max(x[0] for x in bt.gather_floats([r["optim_state_gib"]], dev)),
                 "host_syncs_per_step": max(syncs),
                 "step_ms_per_rank": row["step_ms_per_rank"],
                 "step_ms_spread": row["step_ms_spread"],
@@ -277,7 +288,8 @@ def settle_ratios(mb_cases: list[dict]) -> dict:
 
 def format_table(report: dict) -> str:
     head = (
-        f"{'mode':<14} {'mb':>3} {'step ms':>9} {'vs mcore':>9} {'vs dense':>9} {'MFU':>6} {'mem GiB':>8} {'syncs':>6}"
+        f"{'mode':<14} {'mb':>3} {'step ms':>9} {'vs mcore':>9} {'vs dense':>9} {'MFU':>6} {'tok/s/GPU':>9} "
+        f"{'mem GiB':>8} {'optim GiB':>9} {'syncs':>6}"
     )
     lines = [f"e2e | {report['device']} | {report['layout']}: {report['shape']}", head, "-" * len(head)]
     for c in report["cases"]:
@@ -291,7 +303,8 @@ def format_table(report: dict) -> str:
         mfu = f"{100 * c['mfu']:5.1f}%" if c["mfu"] is not None else f"{'-':>6}"
         lines.append(
             f"{c['mode']:<14} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {f(c['ratio_vs_anchor'], '9.3f')} "
-            f"{f(c['ratio_vs_dense'], '9.3f')} {mfu} {c['mem_gib']:8.2f} {c['host_syncs_per_step']:6.0f}"
+            f"{f(c['ratio_vs_dense'], '9.3f')} {mfu} {f(c.get('tokens_per_s_per_gpu'), '9.0f')} {c['mem_gib']:8.2f} "
+            f"{f(c.get('optim_state_gib'), '9.2f')} {c['host_syncs_per_step']:6.0f}"
         )
     lines.append(f"vs mcore: step time / megatron-core dense ({ANCHOR}) at the same micro-batch (< 1: faster)")
     return "\n".join(lines)

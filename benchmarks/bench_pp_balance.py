@@ -16,15 +16,18 @@ Cases, all in one process group and one call:
 
 Per stage it reports the step's GPU busy time (sum of non-communication kernel durations of one profiled
 step: what a stage computes, without the time it waits for its neighbours) and the peak allocated memory;
-both as the largest deviation from the stage mean. Step time is wall clock (the slowest rank, median of
-``--steps``); the throughput gain is the anchor's step time over the case's. On CPU (gloo) busy time is
-not measured (nan): the CPU run only checks that the cases run.
+both as the largest deviation from the stage mean. With ``train.cuda_graphs=false`` it also splits out the
+backward's share (``bwd_busy_ms_per_stage``: kernels launched from autograd's thread), which is how issue 6 reads
+backward time per stage with and without filtering (``--cases last filter.mode=...``). Step time is wall
+clock (the slowest rank, median of ``--steps``); the throughput gain is the anchor's step time over the case's.
+On CPU (gloo) busy time is not measured (nan): the CPU run only checks that the cases run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -58,22 +61,35 @@ def case_overrides(path: str, overrides: list[str], case: str) -> list[str]:
     return [flag, f"parallel.layer_split=[{','.join(map(str, split))}]"]
 
 
-def busy_ms(step, dev: torch.device) -> float:
-    """GPU time of one step spent in kernels other than NCCL's (nan on CPU)."""
+def busy_ms(step, dev: torch.device) -> tuple[float, float]:
+    """(GPU time of one step in kernels other than NCCL's, the part of it the backward launched); nan on CPU.
+
+    The backward's kernels are those launched from autograd's device thread, not from the thread that called the
+    step. A replayed CUDA graph launches forward and backward alike from the calling thread, so the split needs an
+    eager step (``train.cuda_graphs=false``; the kernels are the same) and reads 0 otherwise."""
     if dev.type != "cuda":
         step()
-        return float("nan")
+        return float("nan"), float("nan")
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        with record_function("bench.step"):
+            step()
         _sync(dev)
-    total = 0.0
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and "nccl" not in e.name.lower():
-            total += e.time_range.elapsed_us()
-    return total / 1e3
+    events = prof.events()
+    main = next(e.thread for e in events if e.name == "bench.step")
+    total = sum(
+        e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA and "nccl" not in e.name.lower()
+    )
+    backward = sum(
+        k.duration
+        for e in events
+        if e.device_type == DeviceType.CPU and e.thread != main
+        for k in e.kernels
+        if "nccl" not in k.name.lower()
+    )
+    return total / 1e3, backward / 1e3
 
 
 def run_case(cfg: Config, warmup: int, steps: int) -> dict:
@@ -92,12 +108,15 @@ def run_case(cfg: Config, warmup: int, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(r.loss)
     mem = _peak_gib(dev)
-    busy = busy_ms(tr.train_step, dev)
+    busy, bwd = busy_ms(tr.train_step, dev)
+    if tr.graphs.blocker is None:  # captured: the split is not visible (busy_ms)
+        bwd = float("nan")
     out = {
         "split": list(tr.model.layer_ids),
         "times": times,
         "mem_gib": mem,
         "busy_ms": busy,
+        "bwd_ms": bwd,
         "losses": losses,
         "params_m": sum(p.numel() for p in tr.model.parameters()) / 1e6,
     }
@@ -120,6 +139,7 @@ def summarize(case: str, overrides: list[str], cfg: Config, per_rank: list[dict]
     step_s = max(statistics.median(r["times"]) for r in per_rank)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     busy = [s["busy_ms"] for s in stages]
+    bwd = [s["bwd_ms"] for s in stages]
     mem = [s["mem_gib"] for s in stages]
     return {
         "case": case,
@@ -129,6 +149,7 @@ def summarize(case: str, overrides: list[str], cfg: Config, per_rank: list[dict]
         "tokens_per_s": tokens / step_s,
         "busy_ms_per_stage": busy,
         "busy_spread": spread(busy),
+        "bwd_busy_ms_per_stage": bwd,
         "mem_gib_per_stage": mem,
         "mem_spread": spread(mem),
         "params_m_per_stage": [s["params_m"] for s in stages],
@@ -151,9 +172,12 @@ def format_table(rows: list[dict], device: str, layout: str) -> str:
             f"{anchor['step_ms'] / r['step_ms']:6.3f} {busy:<22} {100 * r['busy_spread']:5.1f}% {mem:<20} "
             f"{100 * r['mem_spread']:5.1f}%"
         )
+        bwd = r.get("bwd_busy_ms_per_stage", [])
+        if bwd and all(math.isfinite(x) for x in bwd):
+            lines.append(f"{'':<14} backward busy ms per stage: {'/'.join(f'{x:.1f}' for x in bwd)}")
     lines.append(
-        "busy: non-NCCL kernel time of one step per stage; ±: largest deviation from the stage mean; "
-        "gain: step time of 'last' / case's"
+        "busy: non-NCCL kernel time of one step per stage (backward: what autograd's thread launched, eager steps "
+        "only); ±: largest deviation from the stage mean; gain: step time of 'last' / case's"
     )
     return "\n".join(lines)
 
@@ -196,10 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         log0(f"--- {case}: {' '.join(ov)} ---")
         r = run_case(cfg, a.warmup, a.steps)
         ids = [float(lay.pp_rank), float(lay.tp_rank), float(lay.dp_rank), float(len(r["split"]))]
-        flat = gather_floats(ids + [r["mem_gib"], r["busy_ms"], r["params_m"], r["losses"][-1]] + r["times"], dev)
+        vals = [r["mem_gib"], r["busy_ms"], r["bwd_ms"], r["params_m"], r["losses"][-1]]
+        flat = gather_floats(ids + vals + r["times"], dev)
         per_rank = [
             dict(pp_rank=int(x[0]), tp_rank=int(x[1]), dp_rank=int(x[2]), layers=int(x[3]), mem_gib=x[4],
-                 busy_ms=x[5], params_m=x[6], losses=[x[7]], times=x[8:])
+                 busy_ms=x[5], bwd_ms=x[6], params_m=x[7], losses=[x[8]], times=x[9:])
             for x in flat
         ]  # fmt: skip
         row = summarize(case, ov, cfg, per_rank)

@@ -93,6 +93,33 @@ def _peak_gib(dev: torch.device) -> float:
     return torch.cuda.max_memory_allocated(dev) / 2**30 - allocated + reserved
 
 
+def optimizer_state_gib(opt) -> float:
+    """fp32 master weights and Adam moments an optimizer holds on this rank, measured from its tensors' storages.
+
+    Walks wrappers (megatron-core's chained optimizers, megasparse's data-parallel and distributed optimizers) down
+    to their torch optimizers and counts each distinct fp32 tensor of their parameters and state once."""
+    found: list[torch.optim.Optimizer] = []
+    todo, seen_obj = [opt], set()
+    while todo:
+        o = todo.pop()
+        if o is None or id(o) in seen_obj:
+            continue
+        seen_obj.add(id(o))
+        if isinstance(o, torch.optim.Optimizer):
+            found.append(o)
+            continue
+        todo += list(getattr(o, "chained_optimizers", []))
+        todo += [getattr(o, name, None) for name in ("optimizer", "inner")]
+    held: dict[tuple[int, int], int] = {}  # (address, numel): views (shards of one flat buffer) count as themselves
+    for o in found:
+        for g in o.param_groups:
+            for p in g["params"]:
+                for t in [p, *(v for v in o.state.get(p, {}).values() if torch.is_tensor(v))]:
+                    if t.dtype == torch.float32 and t.numel() > 1:
+                        held[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+    return sum(held.values()) / 2**30
+
+
 def gather_floats(values: list[float], dev: torch.device) -> list[list[float]]:
     """Every rank's list (equal lengths) on every rank."""
     t = torch.tensor(values, dtype=torch.float64, device=dev)
@@ -185,9 +212,12 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
         train_ds, _, vocab = build_data(cfg)
-        data = mcore_data(cfg, train_ds, dev)
         mt = mcore_anchor.McoreTrainer(
-            cfg, cfg.padded_vocab(vocab), data, cfg.num_microbatches(state.layout().dp), impl.split("-")[1]
+            cfg,
+            cfg.padded_vocab(vocab),
+            lambda: mcore_data(cfg, train_ds, dev),
+            cfg.num_microbatches(state.layout().dp),
+            impl.split("-")[1],
         )
         keep = mt
         step = mt.train_step
@@ -202,6 +232,7 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
         times.append(sec)
     mem = _peak_gib(dev) - leftover
     pools = graph_pool_gib(dev)[0]
+    optim_gib = optimizer_state_gib(keep.dp_opt if impl == "megasparse" else keep.optimizer)
     prof = profile_table(step, dev, f"{impl} mb={cfg.train.micro_batch_size}") if profile else ""
     extra = after(step) if after is not None else None
     if getattr(keep, "graphs", None) is not None:  # a captured step's memory pool outlives the trainer otherwise
@@ -214,6 +245,7 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
         "times": times,
         "mem_gib": mem,
         "graph_pool_gib": pools,
+        "optim_state_gib": optim_gib,
         "leftover_gib": leftover,
         "losses": [x for x in losses if x is not None],
         "profile": prof,

@@ -19,7 +19,7 @@ benchmark can check that both compute the same losses before timing them.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -88,6 +88,7 @@ def transformer_config(cfg: Config, attention: str, dtype: torch.dtype = torch.b
         pipeline_dtype=dtype,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.virtual_stages if p.virtual_stages > 1 else None,
         sequence_parallel=p.sequence_parallel,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
@@ -103,12 +104,17 @@ def transformer_config(cfg: Config, attention: str, dtype: torch.dtype = torch.b
 
 
 def build_gpt(
-    cfg: Config, vocab_padded: int, attention: str = "sdpa", dtype: torch.dtype = torch.bfloat16, recompute: bool = True
+    cfg: Config,
+    vocab_padded: int,
+    attention: str = "sdpa",
+    dtype: torch.dtype = torch.bfloat16,
+    recompute: bool = True,
+    vp_stage: int | None = None,
 ):
     """(model to run, the inner GPTModel, its TransformerConfig) for this rank's pipeline stage.
 
     Model-parallel groups must exist. ``recompute`` (local attention only): selective recompute of the
-    core attention.
+    core attention. ``vp_stage``: which of the rank's virtual stages (``parallel.virtual_stages`` > 1).
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -128,18 +134,20 @@ def build_gpt(
     if cfg.parallel.sequence_parallel:
         spec.submodules.input_layernorm = SPRMSNorm
         spec.submodules.pre_mlp_layernorm = SPRMSNorm
-        n_local = cfg.parallel.stage_layers(cfg.model.num_layers)[ps.get_pipeline_model_parallel_rank()]
+        p = cfg.parallel
+        n_local = p.stage_layers(cfg.model.num_layers)[(vp_stage or 0) * p.pp + ps.get_pipeline_model_parallel_rank()]
         spec = TransformerBlockSubmodules(layer_specs=[spec] * n_local, layer_norm=SPRMSNorm)
     gpt = GPTModel(
         config=tc,
         transformer_layer_spec=spec,
         vocab_size=vocab_padded,
         max_sequence_length=cfg.model.seq_length,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=int(cfg.model.rope_theta),
+        vp_stage=vp_stage,
     )
     if torch.cuda.is_available():  # torch norms are built on the CPU; Megatron-LM moves the model likewise
         gpt.cuda(torch.cuda.current_device())
@@ -182,20 +190,55 @@ def token_loss(gpt, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class McoreTrainer:
-    """megatron-core's training step: get_forward_backward_func() + DDP grad finalisation + its optimizer."""
+    """megatron-core's training step: get_forward_backward_func() + DDP grad finalisation + its optimizer.
 
-    def __init__(self, cfg: Config, vocab_padded: int, data: Iterator[torch.Tensor], num_mb: int, attention: str):
+    The anchor mirrors megasparse's data-parallel settings as Megatron-LM wires them: with dp > 1,
+    ``parallel.overlap_grad_reduce`` turns on megatron-core's overlapped bucket reduction (``no_sync`` /
+    ``start_grad_sync`` handed to the schedule) and ``parallel.distributed_optimizer`` its distributed optimizer
+    with overlapped parameter all-gathers; ``parallel.virtual_stages`` > 1 builds one model chunk per virtual
+    stage for its interleaved 1F1B.
+    """
+
+    def __init__(
+        self, cfg: Config, vocab_padded: int, data: Callable[[], Iterator[torch.Tensor]], num_mb: int, attention: str
+    ):
+        """``data()``: a fresh stream of this DP rank's micro-batches (one per model chunk)."""
+        from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.cfg, self.num_mb, self.data = cfg, num_mb, data
-        gpt, _, tc = build_gpt(cfg, vocab_padded, attention)
+        self.cfg, self.num_mb = cfg, num_mb
+        p = cfg.parallel
+        dp = ps.get_data_parallel_world_size()
+        overlap = p.overlap_grad_reduce and dp > 1
+        dist_opt = p.distributed_optimizer
+        v = p.virtual_stages
+        ps.set_virtual_pipeline_model_parallel_world_size(v if v > 1 else None)
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=dist_opt,
+            overlap_param_gather=dist_opt and overlap,
+            bucket_size=p.grad_bucket_numel if overlap else None,
         )
-        self.model = DistributedDataParallel(config=tc, ddp_config=ddp_cfg, module=gpt)
+        self.chunks, configs = [], []
+        for i in range(v):
+            gpt, _, tc = build_gpt(cfg, vocab_padded, attention, vp_stage=i if v > 1 else None)
+            configs.append(tc)
+            # Megatron-LM: chunks after the first share no buckets with the overlapped parameter gather
+            self.chunks.append(
+                DistributedDataParallel(config=tc, ddp_config=ddp_cfg, module=gpt, disable_bucketing=i > 0)
+            )
+        self.model = self.chunks[0]
+        tc = configs[0]  # the schedule reads chunk 0's config
         tc.finalize_model_grads_func = finalize_model_grads
+        if overlap:  # as Megatron-LM's training loop hands them to the schedule
+            one = len(self.chunks) == 1
+            tc.no_sync_func = self.chunks[0].no_sync if one else [c.no_sync for c in self.chunks]
+            tc.grad_sync_func = self.chunks[0].start_grad_sync if one else [c.start_grad_sync for c in self.chunks]
+        # one data stream per chunk (the interleaved schedule draws a micro-batch per chunk and forward)
+        self.data = data() if v == 1 else [data() for _ in range(v)]
         o = cfg.optim
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
@@ -209,9 +252,9 @@ class McoreTrainer:
                 clip_grad=o.grad_clip,
                 bf16=True,
                 params_dtype=torch.bfloat16,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=dist_opt,
             ),
-            [self.model],
+            self.chunks,
         )
 
     def _forward_step(self, data_iterator, model):
@@ -230,13 +273,14 @@ class McoreTrainer:
 
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        self.model.zero_grad_buffer()
+        for c in self.chunks:
+            c.zero_grad_buffer()
         self.optimizer.zero_grad()
         m = self.cfg.model
         losses = get_forward_backward_func()(
             forward_step_func=self._forward_step,
             data_iterator=self.data,
-            model=[self.model],
+            model=self.chunks,
             num_microbatches=self.num_mb,
             seq_length=m.seq_length,
             micro_batch_size=self.cfg.train.micro_batch_size,

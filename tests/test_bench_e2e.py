@@ -142,3 +142,28 @@ def test_warmup_covers_the_2to4_autotune() -> None:
     sparse = load_config(None, ["sparsity.enabled=true", "sparsity.backend=auto"])
     assert bt.warmup_steps(sparse, 2) == GemmAutotune.STEPS_NEEDED and bt.warmup_steps(sparse, 20) == 20
     assert bt.warmup_steps(load_config(None, []), 2) == 2
+
+
+def _measured_state(overrides: list[str]) -> tuple[float, int]:
+    import bench_trainer as bt
+    from tiny import TRAINING, tiny
+
+    from megasparse.config import load_config
+    from megasparse.train import Trainer
+
+    tr = Trainer(load_config(None, tiny(**TRAINING) + overrides))
+    tr.train_step()  # AdamW's moments exist from the first step on
+    return bt.optimizer_state_gib(tr.dp_opt) * 2**30, tr.dp_opt.state_bytes()
+
+
+@pytest.mark.slow
+def test_bench_measures_the_optimizer_state_a_rank_holds() -> None:
+    """The benchmarks' optimizer-state column reads the tensors' storages; it agrees with what the optimizers say
+    they hold, replicated and sharded over dp = 2 (where it halves)."""
+    from distributed import run_distributed
+
+    replicated = run_distributed(_measured_state, 1, [])[0]
+    sharded = run_distributed(_measured_state, 2, ["parallel.distributed_optimizer=true"])
+    assert replicated[0] == pytest.approx(replicated[1], rel=0.02)
+    assert sharded[0][0] == pytest.approx(sharded[0][1], rel=0.02)
+    assert sharded[0][0] == pytest.approx(replicated[0] / 2, rel=0.03)
