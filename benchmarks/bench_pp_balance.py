@@ -78,9 +78,15 @@ def busy_ms(step, dev: torch.device) -> tuple[float, float]:
             step()
         _sync(dev)
     events = prof.events()
-    main = next(e.thread for e in events if e.name == "bench.step")
+    main = next(e.thread for e in events if e.name == "bench.step" and e.device_type == DeviceType.CPU)
+    # user annotations (the step's own range among them) also show on the GPU timeline, spanning what they enclose
     total = sum(
-        e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA and "nccl" not in e.name.lower()
+        e.time_range.elapsed_us()
+        for e in events
+        if e.device_type == DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and e.name != "bench.step"
+        and "nccl" not in e.name.lower()
     )
     backward = sum(
         k.duration
