@@ -167,3 +167,20 @@ def test_bench_measures_the_optimizer_state_a_rank_holds() -> None:
     assert replicated[0] == pytest.approx(replicated[1], rel=0.02)
     assert sharded[0][0] == pytest.approx(sharded[0][1], rel=0.02)
     assert sharded[0][0] == pytest.approx(replicated[0] / 2, rel=0.03)
+
+
+def test_anchor_schedule_follows_megatron_lms_defaults() -> None:
+    """megatron-core's config defaults batch P2P and keep pipeline outputs; Megatron-LM frees the outputs and, with
+    virtual stages, overlaps P2P with compute. The anchor must run the latter, or its interleaved rows flatter us."""
+    pytest.importorskip("megatron.core")
+    import mcore_anchor
+
+    from megasparse.config import load_config
+
+    plain = mcore_anchor.transformer_config(load_config(None, ["parallel.pp=2"]), "sdpa", recompute=False)
+    vpp = ["parallel.pp=2", "parallel.virtual_stages=2", "model.num_layers=4", "train.global_batch_size=4"]
+    inter = mcore_anchor.transformer_config(load_config(None, vpp), "sdpa", recompute=False)
+    assert plain.deallocate_pipeline_outputs and inter.deallocate_pipeline_outputs
+    assert (plain.batch_p2p_comm, plain.overlap_p2p_comm) == (True, False)
+    assert (inter.batch_p2p_comm, inter.overlap_p2p_comm) == (False, True)
+    assert inter.virtual_pipeline_model_parallel_size == 2 and plain.virtual_pipeline_model_parallel_size is None

@@ -3,7 +3,8 @@
 Each run trains a few steps on NCCL ranks: step 1 eager (the warm-up), step 2 captures every stage's slots and
 replays them, later steps replay. The graph run's losses and gradient norms must match the eager run's, dense and
 filtered (compact gradients crossing the stage boundary), at micro-batch 1 and 2, with 2:4 FFNs and with CCE. At
-TP=2 × PP=2 + SP (4 GPUs) the compact gradient is split over SP ranks inside the captured backward.
+TP=2 × PP=2 + SP (4 GPUs) the compact gradient is split over SP ranks inside the captured backward; at PP=4 the two
+middle stages receive and send in the same captured slots.
 """
 
 from __future__ import annotations
@@ -62,12 +63,19 @@ def _all_cases(par: list[str], steps: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", ["pp2", "tp2pp2sp"])
+_LAYOUTS = {  # name: (GPUs, parallel overrides)
+    "pp2": (2, ["parallel.pp=2"]),
+    "tp2pp2sp": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # stages between the first and the last: input buffer and caught gradient in one slot, pp - rank slots each
+    "pp4": (4, ["parallel.pp=4"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_captured_stages_equal_eager(layout: str) -> None:
-    world = 2 if layout == "pp2" else 4
+    world, par = _LAYOUTS[layout]
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    par = ["parallel.pp=2"] + (["parallel.tp=2", "parallel.sequence_parallel=true"] if world == 4 else [])
     res = run_distributed(_all_cases, world, par, 5)
     bad = []
     for rank, cases in enumerate(res):
