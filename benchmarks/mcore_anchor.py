@@ -229,19 +229,17 @@ class McoreTrainer:
             align_param_gather=dist_opt and overlap and v > 1,  # Megatron-LM's default with virtual stages
             bucket_size=p.grad_bucket_numel if overlap else None,
         )
-        self.chunks, configs = [], []
+        self.chunks = []
         for i in range(v):
             gpt, _, tc = build_gpt(cfg, vocab_padded, attention, vp_stage=i if v > 1 else None)
-            configs.append(tc)
             # Megatron-LM: chunks after the first share no buckets with the overlapped parameter gather
             self.chunks.append(
                 DistributedDataParallel(config=tc, ddp_config=ddp_cfg, module=gpt, disable_bucketing=i > 0)
             )
-        self.model = self.chunks[0]
-        tc = configs[0]  # the schedule reads chunk 0's config
+        tc = self.chunks[0].config  # the schedule reads chunk 0's config
         tc.finalize_model_grads_func = finalize_model_grads
         if overlap:  # as Megatron-LM's training loop hands them to the schedule
-            one = len(self.chunks) == 1
+            one = v == 1
             tc.no_sync_func = self.chunks[0].no_sync if one else [c.no_sync for c in self.chunks]
             tc.grad_sync_func = self.chunks[0].start_grad_sync if one else [c.start_grad_sync for c in self.chunks]
         if ddp_cfg.align_param_gather:
