@@ -42,6 +42,10 @@ class KernelConfig:
     the tile kernels' forward does not group)."""
     mm_block_d: int = 0
     """Tile kernels' backward only: D chunk of the dE/dC read-modify-writes (0: ``block_d``); each has its own lock."""
+    flatten: bool = False
+    """Fused logit passes only (persistent programs): pipeline the next tile's loads across the tile loop."""
+    warp_specialize: bool = False
+    """Fused logit passes only: Triton's warp specialisation of the tile loop (loads in their own warps)."""
 
 
 if triton is not None:
