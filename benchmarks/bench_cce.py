@@ -218,6 +218,59 @@ def sweep_gemm(h, w, t, rows: list[dict]) -> None:
         cce_fused.FWD, cce_fused.BWD, cce_gemm.P_BYTES = defaults
 
 
+def breakdown(h, w, t, rows: list[dict]) -> None:
+    """Per-pass times of the fused GEMM backend (decision 0204's second addendum): the forward, the backward's P pass
+    over all chunks, its cuBLAS dC and dE GEMMs alone, each pass with the persistent loop's flattening and warp
+    specialisation on and off, and the bare ``torch.mm(h, w.T)`` they are measured against."""
+    import dataclasses
+
+    from megasparse.loss import cce_gemm
+
+    if not cce_fused.usable(h, w):
+        return
+    n, v = h.shape[0], w.shape[0]
+    g = torch.ones(n, device=h.device)
+    t32 = t.to(torch.int32)
+    lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v)
+    cp = cce_gemm.chunk_cols(n, v, h.element_size(), cce_gemm.P_BYTES, cce_fused.BWD.block_v)
+    p_buf = torch.empty(n, cp, dtype=h.dtype, device=h.device)
+    chunks = [(v0, min(cp, v - v0)) for v0 in range(0, v, cp)]
+    d_c, d_e = torch.empty_like(w), torch.empty_like(h)
+    shipped = (cce_fused.FWD, cce_fused.BWD)
+
+    def p_pass(desc):
+        for v0, c in chunks:
+            cce_fused.grad_pass(desc, t32, lse, g, g, v0, p_buf[:, :c], None)
+
+    def dc_gemms():
+        for v0, c in chunks:
+            torch.mm(p_buf[:, :c].t(), h, out=d_c[v0 : v0 + c])
+
+    def de_gemms():
+        for i, (v0, c) in enumerate(chunks):
+            if i == 0:
+                torch.mm(p_buf[:, :c], w[v0 : v0 + c], out=d_e)
+            else:
+                d_e.addmm_(p_buf[:, :c], w[v0 : v0 + c])
+
+    jobs = [("bare torch.mm(h, w.T)", lambda: torch.mm(h, w.T), shipped[0])]
+    for on in (True, False):
+        cfg = dataclasses.replace(shipped[0], flatten=on, warp_specialize=on)
+        desc = cce_fused.Descriptors(h, w, cfg)
+        tag = "persistent, flattened + warp-specialised" if on else "persistent, plain loop"
+        jobs.append((f"forward ({tag})", lambda: cce_gemm.gemm_shard_forward(h, w, t, v), cfg))
+        jobs.append((f"P pass, {len(chunks)} chunks ({tag})", lambda d=desc: p_pass(d), cfg))
+    jobs += [("dC GEMMs (cuBLAS)", dc_gemms, shipped[0]), ("dE GEMMs (cuBLAS, bf16 sums)", de_gemms, shipped[0])]
+    try:
+        for name, fn, cfg in jobs:
+            cce_fused.FWD = cce_fused.BWD = cfg
+            ms = bench_ms(fn)
+            rows.append(dict(kind="breakdown", what=name, ms=ms, p_cols=cp))
+            print(f"breakdown {name}: {ms:.2f} ms", flush=True)
+    finally:
+        cce_fused.FWD, cce_fused.BWD = shipped
+
+
 def sweep(h, w, t, rows: list[dict]) -> None:
     """Time the backward (sorted vocabulary) over a few tilings; the fastest becomes cce.BWD_CONFIG for this run."""
     from megasparse.loss import cce_launch as cce
@@ -273,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             sweep(h, w, t, rows)
         if args.gemm_sweep:
             sweep_gemm(h, w, t, rows)
+            breakdown(h, w, t, rows)
         res = {m: measure(m, h, w, t) for m in methods}
         anchor = res["torch-materialised"]
         a_de, a_dc = anchor.pop("de", None), anchor.pop("dc", None)
