@@ -12,7 +12,7 @@ backward's S pass was the slowest of its three. Here each [BLOCK_M, BLOCK_V] log
 Both kernels are persistent: one program per SM walks the tiles (grouped as before) instead of one program per tile.
 The forward also flattens its loop nest and warp-specialises it (``KernelConfig.flatten``, ``.warp_specialize``), so
 Triton can load the next tile's operands during this tile's epilogue. On H200s that took the Llama-3-8B forward
-from 12.2 to 11.4-11.7 ms and the P pass from 13.9 to 12.5-12.8 ms (decision 0204's second addendum).
+from 12.2 to 11.4-11.7 ms and the P pass from 13.9 to 12.6-12.8 ms (decision 0204's second addendum).
 
 Operands come through TMA tensor descriptors (``TensorDescriptor``), which is why this path is for sm_90+ in bf16
 or fp16 (``usable``); elsewhere the backend keeps its cuBLAS logit pass. P equals the cuBLAS pass's to bf16 rounding
@@ -38,7 +38,7 @@ FWD = KernelConfig(
 second addendum)."""
 BWD = KernelConfig(block_m=128, block_v=256, block_d=64, num_warps=8, num_stages=3, group_m=16)
 """Tiling of the backward's P pass: the forward's tiles, persistent, without flattening or warp specialisation (with
-them the P pass took 12.4-13.4 ms over four calls on H200s, without them 12.5-12.8; decision 0204's second
+them the P pass took 12.5-13.4 ms over four calls on H200s, without them 12.6-12.8; decision 0204's second
 addendum)."""
 ENABLED = True
 """False: the GEMM backend keeps its cuBLAS logit pass everywhere (benchmarks compare the two)."""
