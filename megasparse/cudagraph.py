@@ -57,7 +57,7 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
                 f"filter.granularity={cfg.filter.granularity} at micro_batch_size > 1 (the compact attention backward "
                 "reads each sequence's kept count on the host; granularity=balanced or sequence fixes it)"
             )
-        if shards != _sp(cfg):
+        if shards != cfg.parallel.sp_shards:
             return (
                 f"filter.granularity={cfg.filter.granularity} under SP (each SP rank's kept count is read from the "
                 "indices on the host; granularity=balanced fixes it)"
@@ -78,17 +78,13 @@ def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
     return None
 
 
-def _sp(cfg) -> int:
-    return cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
-
-
 def _static_counts(cfg) -> tuple[int | None, int]:
     """(kept rows per sequence, SP shards balanced) that the selection fixes by shape (``selection.static_counts``)."""
     from megasparse.filtering.selection import static_counts
 
     f = cfg.filter
     shape = (cfg.model.seq_length, cfg.train.micro_batch_size)
-    return static_counts(shape, f.keep_ratio, f.granularity, _sp(cfg))
+    return static_counts(shape, f.keep_ratio, f.granularity, cfg.parallel.sp_shards)
 
 
 def sparse_gemms(model: torch.nn.Module) -> list:

@@ -95,7 +95,7 @@ class Trainer:
             self.sparsity.convert(self.model)
         self.dp_opt.keep_compute_copies()  # bf16 weights cast once per optimizer step, not per micro-batch
         self.num_mb = cfg.num_microbatches(self.dp)
-        s_local = m.seq_length // (self.lay.tp if cfg.parallel.sequence_parallel else 1)
+        s_local = m.seq_length // cfg.parallel.sp_shards
         self.act_shape = (s_local, cfg.train.micro_batch_size, m.hidden_size)
         dev, dt, last = self.device, self.compute_dtype, self.lay.is_last_stage
         self.filter = TokenFilter.from_config(cfg, self.train_ds, self.vocab, dev, dt, last)  # None: mode off

@@ -67,7 +67,7 @@ class TokenFilter:
         ref = None
         if last_stage and f.scorer == "excess":
             ref = build_reference(cfg, train_ds, vocab, device=device, compute_dtype=compute_dtype)
-        sp = cfg.parallel.tp if cfg.parallel.sequence_parallel else 1
+        sp = cfg.parallel.sp_shards
         m = cfg.model
         return cls(
             f,

@@ -40,6 +40,11 @@ class ParallelConfig:
     grad_bucket_numel: int = 40_000_000
     """Parameters per DP gradient bucket (one collective each; Megatron's default size)."""
 
+    @property
+    def sp_shards(self) -> int:
+        """Shards of the sequence inside a TP region: tp under sequence parallelism, else 1."""
+        return self.tp if self.sequence_parallel else 1
+
     def validate(self, world_size: int, num_layers: int, seq_length: int) -> int:
         """Check the layout against the world size; return dp."""
         if self.tp < 1 or self.pp < 1:
