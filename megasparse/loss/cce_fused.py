@@ -128,13 +128,6 @@ if triton is not None:
             tl.store(P + rows.to(tl.int64)[:, None] * stride_p + cols[None, :], p.to(P.dtype.element_ty), mask=ok)
 
 
-def _programs(device: torch.device, tiles: int) -> int:
-    """Persistent programs of a launch: one per SM (each holds one 128x256 tile's pipeline), never more than tiles.
-    Off the GPU (the interpreter) a few, so the tile loop still runs more than once."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
-    return max(1, min(tiles, sms))
-
-
 class Descriptors:
     """The TMA descriptors of h and w for one tiling: the tiling travels with them, so a launch cannot read tiles of
     another shape than its kernel's blocks."""
@@ -143,9 +136,13 @@ class Descriptors:
         self.cfg = cfg
         self.e = TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_d])
         self.c = TensorDescriptor.from_tensor(w, [cfg.block_v, cfg.block_d])
+        # persistent programs: one per SM, each holding one tile's pipeline. Off the GPU (the interpreter) a few, so
+        # the tile loop still runs more than once. Read once here, not at each of a backward's chunk launches.
+        self.sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 3
 
-    def programs(self, n: int, c: int, device: torch.device) -> int:
-        return _programs(device, triton.cdiv(n, self.cfg.block_m) * triton.cdiv(c, self.cfg.block_v))
+    def programs(self, n: int, c: int) -> int:
+        """Programs of one launch over [n, c]: one per SM, never more than tiles."""
+        return max(1, min(self.sms, triton.cdiv(n, self.cfg.block_m) * triton.cdiv(c, self.cfg.block_v)))
 
     def meta(self, softcap: float | None) -> dict:
         cfg = self.cfg
@@ -177,7 +174,7 @@ def lse_pass(
     lse = None
     for v0 in range(0, n_valid, cols):
         c = min(cols, n_valid - v0)
-        progs = desc.programs(n, c, h.device)
+        progs = desc.programs(n, c)
         _lse_kernel[(progs,)](
             desc.e, desc.c, t32, part, tlogit, n, c, v0, d, progs, float(softcap or 1.0), **desc.meta(softcap)
         )
@@ -200,6 +197,6 @@ def grad_pass(
     descriptors, built once per backward: ``Descriptors(h, w, BWD)``)."""
     n, c = p.shape
     d = desc.e.shape[1]
-    progs = desc.programs(n, c, p.device)
+    progs = desc.programs(n, c)
     args = (desc.e, desc.c, p, lse, gs, gt, t32, n, c, v0, p.stride(0), d, progs, float(softcap or 1.0))
     _grad_kernel[(progs,)](*args, **desc.meta(softcap))
