@@ -29,7 +29,9 @@ ratio_vs_anchor, ratio_vs_dense, mfu, mem_gib, host_syncs_per_step, ...) and pri
 peak allocated during the timed steps less what earlier cases left allocated (``leftover_gib``: megatron-core's
 anchor leaves about 10 GiB behind on TinyLlama, which the following case's peak used to include), with CUDA-graph
 pools counted at their reserved size (``graph_pool_gib``; the allocator's peak alone misses a replayed graph's
-activations: JSON written before 2026-11-26 undercounts the captured modes that way).
+activations: JSON written before 2026-11-26 undercounts the captured modes that way). ``loss_auto`` lists what
+``loss.impl=auto`` decided in the run, per shape, gathered from every rank (the last pipeline stage holds the loss);
+JSON written before 2026-11-26 (fourth session) lacks it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_trainer as bt  # noqa: E402
 
 from megasparse.config import ConfigError, load_config  # noqa: E402
+from megasparse.loss import AUTO_CHOICES  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,6 +232,7 @@ def run(a: argparse.Namespace) -> int:
             bt.log0(f"{name} mb={mb}: {case['step_ms']:.1f} ms, syncs {case['host_syncs_per_step']:.0f}")
         report["drift"][str(mb)] = settle_ratios(mb_cases)
         report["cases"] += [c for c in mb_cases if not c.pop("again")]
+    report["loss_auto"] = auto_choices()
     out = Path(a.out_dir) / f"e2e_{a.layout}.json"
     if a.append and out.exists():  # another micro-batch size measured in its own process (memory is clean there)
         old = json.loads(out.read_text())
@@ -244,6 +248,13 @@ def run(a: argparse.Namespace) -> int:
         print(report["table"], flush=True)
     state.destroy()
     return 0 if ok else 1
+
+
+def auto_choices() -> list[str]:
+    """``loss.impl=auto``'s decisions on any rank of this run, in first-seen order (rank 0 may hold no loss)."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, list(AUTO_CHOICES))
+    return list(dict.fromkeys(r for rank in every for r in rank))
 
 
 def warm_gpu(seconds: float, dev: torch.device) -> None:
@@ -307,6 +318,7 @@ def format_table(report: dict) -> str:
             f"{f(c.get('optim_state_gib'), '9.2f')} {c['host_syncs_per_step']:6.0f}"
         )
     lines.append(f"vs mcore: step time / megatron-core dense ({ANCHOR}) at the same micro-batch (< 1: faster)")
+    lines += report.get("loss_auto", [])
     return "\n".join(lines)
 
 

@@ -48,6 +48,8 @@ def test_table_and_plot_from_a_report(tmp_path) -> None:
     rep = {"device": "1x test", "layout": "1gpu_tinyllama", "shape": "tiny", "cases": cases}
     table = be.format_table(rep)
     assert table.splitlines()[-1].startswith("vs mcore")
+    rep["loss_auto"] = ["loss.impl=auto -> cce: timed at 8x40"]
+    assert be.format_table(rep).splitlines()[-1] == rep["loss_auto"][0]  # what auto ran, under the table
     assert "0.900" in table and "OutOfMemoryError" in table
     pytest.importorskip("matplotlib")
     path = tmp_path / "e2e.json"
@@ -184,3 +186,23 @@ def test_anchor_schedule_follows_megatron_lms_defaults() -> None:
     assert (plain.batch_p2p_comm, plain.overlap_p2p_comm) == (True, False)
     assert (inter.batch_p2p_comm, inter.overlap_p2p_comm) == (False, True)
     assert inter.virtual_pipeline_model_parallel_size == 2 and plain.virtual_pipeline_model_parallel_size is None
+
+
+def _auto_choices_on_ranks() -> list[str]:
+    import bench_e2e as be
+
+    import megasparse.loss as loss_pkg
+    from megasparse.parallel import state
+
+    state.init(1, 2, False, "gloo")  # PP=2: the loss (and auto's choice) lives on the last stage only
+    if state.layout().pp_rank == 1:
+        loss_pkg._log_choice("loss.impl=auto -> torch: a test-only reason")
+    return be.auto_choices()
+
+
+def test_auto_choices_come_from_the_rank_holding_the_loss() -> None:
+    """Rank 0 writes the JSON but, under PP, holds no loss: the bench gathers auto's decisions from every rank."""
+    from distributed import run_distributed
+
+    got = run_distributed(_auto_choices_on_ranks, 2)
+    assert got == [["loss.impl=auto -> torch: a test-only reason"]] * 2

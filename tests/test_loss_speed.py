@@ -124,3 +124,5 @@ def test_the_choice_is_printed_once_on_the_first_rank(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     loss_pkg._log_choice(reason + " (rank 1)")
     assert capsys.readouterr().out == ""
+    # recorded once each, on every rank, for the benchmarks to store beside their numbers
+    assert loss_pkg.AUTO_CHOICES.count(reason) == 1 and reason + " (rank 1)" in loss_pkg.AUTO_CHOICES

@@ -25,17 +25,22 @@ from megasparse.loss.speed import timed_choice
 from megasparse.ops.compact import KeepHolder
 
 __all__ = [
-    "KeepSpec", "KernelConfig", "LossConfig", "LossOptions", "loss_options", "resolve_impl", "shard_backward",
-    "shard_forward", "vocab_order", "vocab_parallel_loss",
+    "AUTO_CHOICES", "KeepSpec", "KernelConfig", "LossConfig", "LossOptions", "loss_options", "resolve_impl",
+    "shard_backward", "shard_forward", "vocab_order", "vocab_parallel_loss",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
+
+AUTO_CHOICES: list[str] = []
+"""Each distinct impl=auto decision of this process, in order, on every rank: benchmarks store them beside their
+numbers, so a table's claim about which loss auto ran can be checked."""
 
 
 @cache
 def _log_choice(reason: str) -> None:
     """Say each distinct impl=auto decision once per process (the shapes of a run are fixed), on the first rank's
     console like the trainer's other one-time choices (the 2:4 autotune's), and to the logger."""
+    AUTO_CHOICES.append(reason)
     log.info(reason)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
     if rank == 0:
