@@ -1,8 +1,10 @@
 """Cut Cross-Entropy on one GPU: correctness vs fp64, a small tile sweep, then fwd+bwd time and memory.
 
-Anchor: torch with materialised logits (h @ Wᵀ, fp32 cross-entropy) in the same run; also apple's
-cut-cross-entropy (``linear_cross_entropy``) and Liger's fused linear CE when importable. Memory is the
-peak allocated during fwd+bwd beyond the inputs and their gradient buffers.
+Anchor: torch with materialised logits (h @ Wᵀ, fp32 cross-entropy) in the same run (issue 12's comparator);
+also megatron-core's own loss at TP=1 (``mcore-materialised``: the bf16 logits cast to fp32 into
+``vocab_parallel_cross_entropy``, on a one-rank process group the script creates; the ``x mcore`` column), apple's
+cut-cross-entropy (``linear_cross_entropy``) and Liger's fused linear CE when importable. Memory is the peak
+allocated during fwd+bwd beyond the inputs and their gradient buffers.
 
     python benchmarks/bench_cce.py --out runs/bench_cce.json [--sweep] [--shapes gemma2-2b,llama3-8b]
 
@@ -105,6 +107,17 @@ def fwd_bwd_runner(name: str, h, w, t):
 
         def loss_fn(hh, ww):
             return torch.nn.functional.cross_entropy((hh @ ww.T).float(), t, reduction="sum")
+    elif name == "mcore-materialised":
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        if not parallel_state.model_parallel_is_initialized():  # megatron's loss reads its TP group: one rank here
+            from megasparse.parallel import state
+
+            state.init(1, 1)
+
+        def loss_fn(hh, ww):
+            return vocab_parallel_cross_entropy((hh @ ww.T).float(), t).sum()
     elif name == "apple-cce":
         from cut_cross_entropy import linear_cross_entropy
 
@@ -318,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         correctness(rows)
     table = []
     methods = ("megasparse-cce", "megasparse-cce-cublas", "megasparse-cce-fp32dE", "megasparse-cce-tiles-sort",
-               "apple-cce", "liger-flce", "torch-materialised")  # fmt: skip
+               "apple-cce", "liger-flce", "mcore-materialised", "torch-materialised")  # fmt: skip
     for shape in args.shapes.split(","):
         n, v, d = SHAPES[shape]
         h, w, t = make_inputs(n, v, d)
@@ -341,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             del de, dc
             r.update(shape=shape, kind="bench", ratio_vs_torch=r["ms"] / anchor["ms"])
             r["ratio_vs_apple"] = r["ms"] / res["apple-cce"]["ms"]
+            r["ratio_vs_mcore"] = r["ms"] / res["mcore-materialised"]["ms"]
             rows.append(r)
             table.append(r)
         del a_de, a_dc, r_de, r_dc
@@ -349,15 +363,19 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(dict(device=dev, torch=torch.__version__, time=time.time(), rows=rows), f, indent=1)
     print(
-        f"\n{'shape':<11}{'method':<27}{'ms':>9}{'extra MB':>10}{'x torch':>9}{'x apple':>9}{'dE rel':>9}{'dC rel':>9}"
-        f"{'dE f64':>9}{'dC f64':>9}"
+        f"\n{'shape':<11}{'method':<27}{'ms':>9}{'extra MB':>10}{'x torch':>9}{'x mcore':>9}{'x apple':>9}"
+        f"{'dE rel':>9}{'dC rel':>9}{'dE f64':>9}{'dC f64':>9}"
     )
     for r in table:
         print(f"{r['shape']:<11}{r['method']:<27}{r['ms']:>9.2f}{r['extra_mb']:>10.1f}{r['ratio_vs_torch']:>9.2f}"
-              f"{r['ratio_vs_apple']:>9.2f}{r.get('de_rel_vs_torch', float('nan')):>9.1e}"
+              f"{r['ratio_vs_mcore']:>9.2f}{r['ratio_vs_apple']:>9.2f}{r.get('de_rel_vs_torch', float('nan')):>9.1e}"
               f"{r.get('dc_rel_vs_torch', float('nan')):>9.1e}{r.get('de_rel_vs_fp64', float('nan')):>9.1e}"
               f"{r.get('dc_rel_vs_fp64', float('nan')):>9.1e}")  # fmt: skip
     print(f"device: {dev}")
+    if torch.distributed.is_initialized():  # the one-rank group of the megatron-core loss
+        from megasparse.parallel import state
+
+        state.destroy()
     return 0
 
 
