@@ -241,6 +241,7 @@ def run(a: argparse.Namespace) -> int:
             kept = [c for c in old["cases"] if (c["mode"], c["micro_batch_size"]) not in mine]
             report["cases"] = sorted(kept + report["cases"], key=lambda c: c["micro_batch_size"])
             report["drift"] = {**old.get("drift", {}), **report["drift"]}
+            report["loss_auto"] = list(dict.fromkeys(old.get("loss_auto", []) + report["loss_auto"]))
     report["table"] = format_table(report)
     if dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
