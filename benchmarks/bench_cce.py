@@ -7,6 +7,12 @@ cut-cross-entropy (``linear_cross_entropy``) and Liger's fused linear CE when im
 allocated during fwd+bwd beyond the inputs and their gradient buffers.
 
     python benchmarks/bench_cce.py --out runs/bench_cce.json [--sweep] [--shapes gemma2-2b,llama3-8b]
+    python benchmarks/bench_cce.py --rounds 8 --no-check --shapes llama3-8b   # interleaved rounds and GEMM floors
+
+``--rounds N`` times CCE, torch's and megatron-core's losses and two GEMM floors (``floor-*``: not losses, the bare
+bf16 GEMMs each loss must do, unchunked) N times in turn, so every round's ratio compares neighbours in time, and
+reports the median and range of those ratios; one call's single timing moves with the GPU's clocks. The order
+is shuffled each round.
 
 Inputs are synthetic but peaky like a trained model's (Zipf-like token bias along a shared direction plus a
 boosted target), so gradient filtering and vocabulary sorting see realistic block sparsity.
@@ -17,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
+import statistics
 import time
 
 import torch
 
-from megasparse.loss import LossConfig, cce_fused, vocab_order, vocab_parallel_loss
+from megasparse.loss import LossConfig, cce_fused, cce_gemm, vocab_order, vocab_parallel_loss
 from megasparse.loss.cce_launch import KernelConfig, triton_shard_backward, triton_shard_forward
 
 SHAPES = {"gemma2-2b": (8192, 256000, 2304), "llama3-8b": (8192, 128256, 4096)}
@@ -134,15 +142,17 @@ def fwd_bwd_runner(name: str, h, w, t):
     hh = h.detach().requires_grad_()
     ww = w.detach().requires_grad_()
     fused = "cublas" not in name  # megasparse-cce-cublas: the GEMM backend's cuBLAS logit pass (before decision 0204)
+    waves = "widest" not in name  # megasparse-cce-widest: the widest P under the cap (before decision 0205)
 
     def run():
         hh.grad = None
         ww.grad = None
-        prev, cce_fused.ENABLED = cce_fused.ENABLED, fused
+        prev = cce_fused.ENABLED, cce_gemm.WAVE_WIDTH
+        cce_fused.ENABLED, cce_gemm.WAVE_WIDTH = fused, waves
         try:
             loss_fn(hh, ww).backward()
         finally:
-            cce_fused.ENABLED = prev
+            cce_fused.ENABLED, cce_gemm.WAVE_WIDTH = prev
 
     return run, hh, ww
 
@@ -165,6 +175,78 @@ def fp64_grads(h, w, t, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
         de += p @ wc
         dc[v0 : v0 + wc.shape[0]] = p.T @ h64
     return de, dc
+
+
+FLOORS = ("floor-cce-4gemm", "floor-cce-chunked", "floor-torch-3gemm")
+
+
+def floor_runner(name: str, h, w):
+    """(run, dE, dC: the buffers ``run`` writes) of the bare GEMMs of a loss at full size (a [N, V] P in the input
+    dtype, so not within CCE's memory cap): the logits twice, dE and dC for CCE (8·N·V·D); the logits, dE and dC for
+    the materialised loss (6·N·V·D). What is left of each loss's time beyond its floor is its softmax passes and, for
+    CCE, its chunking.
+    ``floor-cce-chunked``: the same four GEMMs in cuBLAS over CCE's P chunks (``cce_gemm.fused_p_cols``), within the
+    cap."""
+    de, dc = torch.empty_like(h), torch.empty_like(w)
+    if name == "floor-cce-chunked":
+        n, v = h.shape[0], w.shape[0]
+        sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 132
+        cp = cce_gemm.fused_p_cols(n, v, h.shape[1], h.element_size(), sms)
+        buf = torch.empty(n, cp, dtype=h.dtype, device=h.device)
+
+        def run_chunked():
+            for v0 in range(0, v, cp):
+                torch.mm(h, w[v0 : v0 + cp].t(), out=buf[:, : min(cp, v - v0)])
+            for v0 in range(0, v, cp):
+                wc = w[v0 : v0 + cp]
+                p = buf[:, : wc.shape[0]]
+                torch.mm(h, wc.t(), out=p)
+                torch.mm(p.t(), h, out=dc[v0 : v0 + wc.shape[0]])
+                if v0 == 0:
+                    torch.mm(p, wc, out=de)
+                else:
+                    de.addmm_(p, wc)
+
+        return run_chunked, de, dc
+    p = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype, device=h.device)
+    logits = 2 if name == "floor-cce-4gemm" else 1
+
+    def run():
+        for _ in range(logits):
+            torch.mm(h, w.t(), out=p)
+        torch.mm(p, w, out=de)
+        torch.mm(p.t(), h, out=dc)
+
+    return run, de, dc
+
+
+def rounds(h, w, t, shape: str, n_rounds: int, methods: tuple[str, ...], rows: list[dict]) -> list[dict]:
+    """Every method timed once per round, in an order shuffled each round (what runs just before a method moves its
+    time: a fixed order read a 4% gap between two runs of one configuration); per-method median and range, and each
+    round's ratio against torch's loss in that round (median and range)."""
+    runs = {m: (floor_runner(m, h, w) if m in FLOORS else fwd_bwd_runner(m, h, w, t))[0] for m in methods}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for r in range(n_rounds):
+        order = list(methods)
+        random.Random(r).shuffle(order)  # a new order each round, so no method always follows the same one
+        for m in order:
+            try:
+                times[m].append(bench_ms(runs[m]))
+            except Exception as e:  # an optional baseline missing must not kill the rounds
+                print(f"rounds {m}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                times[m].append(float("nan"))
+        print(f"round {r + 1}/{n_rounds}: " + ", ".join(f"{m} {times[m][-1]:.2f}" for m in methods), flush=True)
+    out = []
+    torch_ms = times["torch-materialised"]
+    for m in methods:
+        ratios = sorted(a / b for a, b in zip(times[m], torch_ms))
+        ms = sorted(times[m])
+        row = dict(kind="rounds", shape=shape, method=m, rounds=n_rounds, ms_each=times[m], ms=statistics.median(ms),
+                   ms_min=ms[0], ms_max=ms[-1], ratio_vs_torch=statistics.median(ratios),
+                   ratio_min=ratios[0], ratio_max=ratios[-1])  # fmt: skip
+        rows.append(row)
+        out.append(row)
+    return out
 
 
 def measure(name, h, w, t) -> dict:
@@ -195,8 +277,6 @@ def sweep_gemm(h, w, t, rows: list[dict]) -> None:
     fp32, P spans one or more S sub-chunks), then, where usable, the fused passes' tilings and P widths (0204)."""
     import dataclasses
 
-    from megasparse.loss import cce_gemm
-
     n, v = h.shape[0], w.shape[0]
     g = torch.ones(n, device=h.device)
     lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v, fused=False)
@@ -209,7 +289,7 @@ def sweep_gemm(h, w, t, rows: list[dict]) -> None:
         print(f"gemm backward, cuBLAS pass, S {sub} / P {chunk} columns: {ms:.2f} ms, {mb:.0f} MB scratch", flush=True)
     if not cce_fused.usable(h, w):
         return
-    defaults = (cce_fused.FWD, cce_fused.BWD, cce_gemm.P_BYTES)
+    defaults = (cce_fused.FWD, cce_fused.BWD, cce_gemm.P_BYTES, cce_gemm.WAVE_WIDTH)
     tilings = {
         "g16s3": {}, "g16s4": dict(num_stages=4), "g8s4": dict(group_m=8, num_stages=4), "g32s3": dict(group_m=32),
     }  # fmt: skip
@@ -220,6 +300,7 @@ def sweep_gemm(h, w, t, rows: list[dict]) -> None:
             rows.append(dict(kind="fused_fwd_sweep", tiling=name, fwd_ms=ms))
             print(f"fused forward {name}: {ms:.2f} ms", flush=True)
         cce_fused.FWD = defaults[0]
+        cce_gemm.WAVE_WIDTH = False  # P exactly as wide as each budget allows
         for name in ("g16s3", "g16s4", "g8s4"):
             cce_fused.BWD = dataclasses.replace(defaults[1], **tilings[name])
             for mb in (44, 48, 56, 60):
@@ -228,7 +309,7 @@ def sweep_gemm(h, w, t, rows: list[dict]) -> None:
                 rows.append(dict(kind="fused_bwd_sweep", tiling=name, p_mb=mb, bwd_ms=ms))
                 print(f"fused backward {name}, P {mb} MB: {ms:.2f} ms", flush=True)
     finally:
-        cce_fused.FWD, cce_fused.BWD, cce_gemm.P_BYTES = defaults
+        cce_fused.FWD, cce_fused.BWD, cce_gemm.P_BYTES, cce_gemm.WAVE_WIDTH = defaults
 
 
 def breakdown(h, w, t, rows: list[dict]) -> None:
@@ -237,15 +318,14 @@ def breakdown(h, w, t, rows: list[dict]) -> None:
     specialisation on and off, and the bare ``torch.mm(h, w.T)`` they are measured against."""
     import dataclasses
 
-    from megasparse.loss import cce_gemm
-
     if not cce_fused.usable(h, w):
         return
     n, v = h.shape[0], w.shape[0]
     g = torch.ones(n, device=h.device)
     t32 = t.to(torch.int32)
     lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v)
-    cp = cce_gemm.chunk_cols(n, v, h.element_size(), cce_gemm.P_BYTES, cce_fused.BWD.block_v)
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+    cp = cce_gemm.fused_p_cols(n, v, h.shape[1], h.element_size(), sms)
     p_buf = torch.empty(n, cp, dtype=h.dtype, device=h.device)
     chunks = [(v0, min(cp, v - v0)) for v0 in range(0, v, cp)]
     d_c, d_e = torch.empty_like(w), torch.empty_like(h)
@@ -315,6 +395,27 @@ def sweep(h, w, t, rows: list[dict]) -> None:
     print(f"backward config for this run: {best[1]}", flush=True)
 
 
+def print_table(table: list[dict], dev: str) -> None:
+    print(
+        f"\n{'shape':<11}{'method':<27}{'ms':>9}{'extra MB':>10}{'x torch':>9}{'x mcore':>9}{'x apple':>9}"
+        f"{'dE rel':>9}{'dC rel':>9}{'dE f64':>9}{'dC f64':>9}"
+    )
+    for r in table:
+        print(f"{r['shape']:<11}{r['method']:<27}{r['ms']:>9.2f}{r['extra_mb']:>10.1f}{r['ratio_vs_torch']:>9.2f}"
+              f"{r['ratio_vs_mcore']:>9.2f}{r['ratio_vs_apple']:>9.2f}{r.get('de_rel_vs_torch', float('nan')):>9.1e}"
+              f"{r.get('dc_rel_vs_torch', float('nan')):>9.1e}{r.get('de_rel_vs_fp64', float('nan')):>9.1e}"
+              f"{r.get('dc_rel_vs_fp64', float('nan')):>9.1e}")  # fmt: skip
+    print(f"device: {dev}")
+
+
+def print_rounds(table: list[dict], dev: str, n_rounds: int) -> None:
+    print(f"\n{'shape':<11}{'method':<22}{'median ms':>10}{'min':>8}{'max':>8}{'x torch':>9}{'range':>14}")
+    for r in table:
+        print(f"{r['shape']:<11}{r['method']:<22}{r['ms']:>10.2f}{r['ms_min']:>8.2f}{r['ms_max']:>8.2f}"
+              f"{r['ratio_vs_torch']:>9.3f}{r['ratio_min']:>8.3f}-{r['ratio_max']:.3f}")  # fmt: skip
+    print(f"device: {dev}  ({n_rounds} interleaved rounds; x torch: the median of each round's ratio)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench_cce.json")
@@ -323,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--fp64", action="store_true", help="gradient error of every method against an fp64 reference")
     ap.add_argument("--gemm-sweep", action="store_true", help="sweep the GEMM backend's chunks and fused tilings")
+    ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds of CCE, torch, mcore and the floors")
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}  torch {torch.__version__}", flush=True)
@@ -330,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_check:
         correctness(rows)
     table = []
-    methods = ("megasparse-cce", "megasparse-cce-cublas", "megasparse-cce-fp32dE", "megasparse-cce-tiles-sort",
-               "apple-cce", "liger-flce", "mcore-materialised", "torch-materialised")  # fmt: skip
+    methods = ("megasparse-cce", "megasparse-cce-widest", "megasparse-cce-cublas", "megasparse-cce-fp32dE",
+               "megasparse-cce-tiles-sort", "apple-cce", "liger-flce", "mcore-materialised",
+               "torch-materialised")  # fmt: skip
     for shape in args.shapes.split(","):
         n, v, d = SHAPES[shape]
         h, w, t = make_inputs(n, v, d)
@@ -340,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.gemm_sweep:
             sweep_gemm(h, w, t, rows)
             breakdown(h, w, t, rows)
+        if args.rounds:
+            ms = ("megasparse-cce", "megasparse-cce-widest", "torch-materialised", "mcore-materialised", *FLOORS)
+            table += rounds(h, w, t, shape, args.rounds, ms, rows)
+            del h, w, t
+            torch.cuda.empty_cache()
+            continue
         res = {m: measure(m, h, w, t) for m in methods}
         anchor = res["torch-materialised"]
         a_de, a_dc = anchor.pop("de", None), anchor.pop("dc", None)
@@ -362,16 +471,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(dict(device=dev, torch=torch.__version__, time=time.time(), rows=rows), f, indent=1)
-    print(
-        f"\n{'shape':<11}{'method':<27}{'ms':>9}{'extra MB':>10}{'x torch':>9}{'x mcore':>9}{'x apple':>9}"
-        f"{'dE rel':>9}{'dC rel':>9}{'dE f64':>9}{'dC f64':>9}"
-    )
-    for r in table:
-        print(f"{r['shape']:<11}{r['method']:<27}{r['ms']:>9.2f}{r['extra_mb']:>10.1f}{r['ratio_vs_torch']:>9.2f}"
-              f"{r['ratio_vs_mcore']:>9.2f}{r['ratio_vs_apple']:>9.2f}{r.get('de_rel_vs_torch', float('nan')):>9.1e}"
-              f"{r.get('dc_rel_vs_torch', float('nan')):>9.1e}{r.get('de_rel_vs_fp64', float('nan')):>9.1e}"
-              f"{r.get('dc_rel_vs_fp64', float('nan')):>9.1e}")  # fmt: skip
-    print(f"device: {dev}")
+    if args.rounds:
+        print_rounds(table, dev, args.rounds)
+    else:
+        print_table(table, dev)
     if torch.distributed.is_initialized():  # the one-rank group of the megatron-core loss
         from megasparse.parallel import state
 

@@ -103,3 +103,32 @@ def test_fused_logit_passes_match_cublas_pass(dtype, softcap):
     f_e, f_c = gemm_shard_backward(h, w, t, lse, gs, gt, v, softcap, fused=True, chunk=3000)  # ragged chunks
     assert _rel(f_e, d_e) < 1e-2 and _rel(f_c, d_c) < 1e-2
     assert f_c[v:].eq(0).all()
+
+
+def test_fused_backward_wave_width_matches_widest():
+    """The P width ``wave_cols`` picks (narrower than the cap at the Llama-3-8B rows and hidden size) gives the
+    gradients the widest P gives, to bf16 rounding of dE's per-chunk sums."""
+    from megasparse.loss import cce_fused, cce_gemm
+
+    n, v, d = 8192, 9000, 4096
+    g = torch.Generator(device="cuda").manual_seed(11)
+    h = torch.randn(n, d, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(v, d, device="cuda", generator=g) * 2 / d**0.5).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    ones = torch.ones(n, device="cuda")
+    if not cce_fused.usable(h, w):
+        pytest.skip("fused passes need sm_90+")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v)
+    widest = cce_gemm.chunk_cols(n, v, 2, cce_gemm.P_BYTES, cce_fused.BWD.block_v)
+    grads = {}
+    for on in (True, False):
+        cce_gemm.WAVE_WIDTH = on
+        try:
+            grads[on] = cce_gemm.gemm_shard_backward(h, w, t, lse, ones, ones, v)
+            grads[on, "cols"] = cce_gemm.fused_p_cols(n, v, d, 2, sms)
+        finally:
+            cce_gemm.WAVE_WIDTH = True
+    assert grads[False, "cols"] == widest and grads[True, "cols"] <= widest
+    assert _rel(grads[True][0], grads[False][0]) < 1e-2
+    assert torch.equal(grads[True][1], grads[False][1])  # dC: each vocabulary row's one GEMM, K = all rows, either way

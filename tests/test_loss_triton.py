@@ -89,6 +89,22 @@ def _run_cases() -> None:
     print("ALL OK")
 
 
+def _check_wave_cols() -> None:
+    """The fused backward's P width: under the cap, at least half of it, whole tiles; waves decide (decision 0205)."""
+    from megasparse.loss.cce_gemm import wave_cols
+
+    # Llama-3-8B at 8192 rows on 132 SMs: dC at 3584 columns is 448 tiles (4 waves, the last 40% full), 3072 is 384
+    assert wave_cols(8192, 128256, 4096, 3584, 132) == 3072
+    assert wave_cols(8192, 128256, 4096, 3584, 112) == 3584  # 448 tiles are exactly 4 waves on 112 SMs
+    assert wave_cols(8192, 256000, 2304, 3584, 132) == 3584  # Gemma-2: dC at 3584 is 252 tiles, 1.9 waves
+    assert wave_cols(4096, 128256, 4096, 7168, 132) == 7168
+    assert wave_cols(8192, 3000, 4096, 3584, 132) == 3584  # one chunk holds the slice: the cap
+    cases = ((1037, 50257, 2304, 28160, 132), (300, 10**6, 512, 97792, 78), (8192, 64128, 4096, 3584, 148))
+    for n, v, d, cap, sms in cases:
+        c = wave_cols(n, v, d, cap, sms)
+        assert c % 256 == 0 and cap // 2 <= c <= cap, (n, v, d, cap, sms, c)
+
+
 def _run_gemm_cases() -> None:
     """The GEMM backend (cce_gemm.py): several chunks with a ragged last one, softcap, targets outside the slice,
     ignored rows and TP padding rows, against the chunked reference and an fp64 loss."""
@@ -100,6 +116,7 @@ def _run_gemm_cases() -> None:
 
     assert chunk_cols(8192, 128256, 4) == 1536 and chunk_cols(10**6, 5000, 2) == 256 and chunk_cols(3, 300, 2) == 300
     assert backward_chunks(8192, 128256, 2, 4) == (512, 2048) and backward_chunks(8192, 128256, 2, 2) == (3072, 3072)
+    _check_wave_cols()
     for i, (n, v, pad, d, sc) in enumerate(((37, 300, 3, 48, None), (53, 261, 0, 40, 5.0))):
         g = torch.Generator().manual_seed(200 + i)
         h = torch.randn(n, d, generator=g)

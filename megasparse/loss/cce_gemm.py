@@ -25,6 +25,8 @@ Same contract as ``reference.torch_shard_forward`` / ``torch_shard_backward``, w
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -43,7 +45,17 @@ P_PER_S = 4
 backward took 40.8 ms against 42.5 at S = P = 1024 and 44.6 at S 768 / P 1536, H100)."""
 P_BYTES = 56 * 2**20
 """Bound on the fused backward's one chunk buffer, P ([rows, c] in the input dtype): 3584 columns at 8192 rows, the
-fastest of 44–60 MB on both shapes (H100, decision 0204); within the issue's 64 MB of extra memory."""
+fastest of 44–60 MB on both shapes (H100, decision 0204); within the issue's 64 MB of extra memory. ``wave_cols``
+picks the width under it."""
+WAVE_WIDTH = True
+"""True (the default): the fused backward's P width is ``wave_cols``'s, the width under ``P_BYTES`` whose GEMMs fill
+the SMs in the fewest waves. False: the widest under ``P_BYTES`` (benchmarks compare the two; decision 0205)."""
+_TILE = (128, 256)
+"""Output tile of the backward's three GEMMs as ``wave_cols`` models them: the P pass's (``cce_fused.BWD``) and the
+one cuBLAS's dC and dE times fit at these shapes (decision 0205)."""
+_CHUNK_COST_K = 2048
+"""A chunk's fixed cost (launch ramp and tail of its three GEMMs, dE read again) in ``wave_cols``'s unit: one wave
+of tiles one K step deep. About 25 µs on an H100: it breaks near-ties towards fewer chunks."""
 _MIN_COLS = 256
 
 if triton is not None:
@@ -110,6 +122,43 @@ def chunk_cols(n_rows: int, n_cols: int, bytes_per_col: int, budget: int | None 
     c = budget // max(1, n_rows * bytes_per_col)
     c = max(_MIN_COLS, c // align * align)
     return min(c, n_cols)
+
+
+@functools.lru_cache(maxsize=64)  # once per shape, not at every backward's launch
+def wave_cols(n_rows: int, n_cols: int, d: int, cap: int, sms: int, align: int = 256) -> int:
+    """The fused backward's P width: of the multiples of ``align`` in [cap / 2, cap], the one whose chunks' GEMMs take
+    the fewest whole waves of ``_TILE`` tiles over ``sms`` SMs.
+
+    Each chunk of c columns runs the P pass ([n, c], K = D), dC ([c, D], K = n) and dE ([n, D], K = c); a GEMM whose
+    tiles leave the last wave part-empty costs that wave in full. At 8192 rows and D = 4096 the widest P under
+    ``P_BYTES`` (3584 columns) gives dC 448 tiles, 3.4 waves on 132 SMs run as 4; 3072 columns give 384 (2.9):
+    this model picks 3072 for Llama-3-8B and keeps 3584 for Gemma-2 (D = 2304), as measured (decision 0205)."""
+    tm, tn = _TILE
+    cdiv = triton.cdiv if triton is not None else (lambda a, b: -(-a // b))
+    if n_cols <= cap:  # one chunk
+        return cap
+    cap = max(align, cap // align * align)
+
+    def cost(c: int) -> int:
+        total = 0
+        for v0 in range(0, n_cols, c):
+            cw = min(c, n_cols - v0)
+            p_pass = cdiv(cdiv(n_rows, tm) * cdiv(cw, tn), sms) * d
+            d_c = cdiv(cdiv(cw, tm) * cdiv(d, tn), sms) * n_rows
+            d_e = cdiv(cdiv(n_rows, tm) * cdiv(d, tn), sms) * cw
+            total += p_pass + d_c + d_e + _CHUNK_COST_K
+        return total
+
+    step = max(align, cap // 64 // align * align)  # at most ~32 candidates however wide the cap
+    widths = range(cap, max(align, cap // 2) - 1, -step)
+    return min(widths, key=lambda c: (cost(c), -c))
+
+
+def fused_p_cols(n_rows: int, n_cols: int, d: int, elem_bytes: int, sms: int) -> int:
+    """The fused backward's P width: ``wave_cols``'s under ``P_BYTES`` (the widest there if not ``WAVE_WIDTH``)."""
+    block = cce_fused.BWD.block_v
+    cap = chunk_cols(n_rows, n_cols, elem_bytes, P_BYTES, block)
+    return wave_cols(n_rows, n_cols, d, cap, sms, block) if WAVE_WIDTH else cap
 
 
 def backward_chunks(n_rows: int, n_cols: int, elem_bytes: int, s_bytes: int) -> tuple[int, int]:
@@ -237,9 +286,9 @@ def gemm_shard_backward(
     t32 = tgt.to(torch.int32).contiguous()
     lse, gs, gt = (x.float().contiguous() for x in (lse, gs, gt))
     if _fused(h, w, fused):  # P straight from the logit tiles in registers: no S buffer
-        cp = min(n_valid, chunk or chunk_cols(n, n_valid, h.element_size(), P_BYTES, cce_fused.BWD.block_v))
-        p_buf = _scratch(n, cp, h.dtype, h.device)
         desc = cce_fused.Descriptors(h, w, cce_fused.BWD)
+        cp = min(n_valid, chunk or fused_p_cols(n, n_valid, d, h.element_size(), desc.sms))
+        p_buf = _scratch(n, cp, h.dtype, h.device)
 
         def fill(p: Tensor, v0: int) -> None:
             cce_fused.grad_pass(desc, t32, lse, gs, gt, v0, p, softcap)
