@@ -9,10 +9,11 @@ allocated during fwd+bwd beyond the inputs and their gradient buffers.
     python benchmarks/bench_cce.py --out runs/bench_cce.json [--sweep] [--shapes gemma2-2b,llama3-8b]
     python benchmarks/bench_cce.py --rounds 8 --no-check --shapes llama3-8b   # interleaved rounds and GEMM floors
 
-``--rounds N`` times CCE, torch's and megatron-core's losses and two GEMM floors (``floor-*``: not losses, the bare
-bf16 GEMMs each loss must do, unchunked) N times in turn, so every round's ratio compares neighbours in time, and
-reports the median and range of those ratios; one call's single timing moves with the GPU's clocks. The order
-is shuffled each round.
+``--rounds N`` times CCE (also with the widest P under its cap, ``megasparse-cce-widest``, as before decision 0205),
+torch's and megatron-core's losses and three GEMM floors (``floor-*``: not losses, the bare bf16 GEMMs each loss
+must do, unchunked or over CCE's chunks) N times in turn, in an order shuffled each round, so every round's ratio
+compares neighbours in time; it reports the median and range of those ratios. One call's single timing moves with
+the GPU's clocks.
 
 Inputs are synthetic but peaky like a trained model's (Zipf-like token bias along a shared direction plus a
 boosted target), so gradient filtering and vocabulary sorting see realistic block sparsity.
