@@ -191,8 +191,7 @@ def floor_runner(name: str, h, w):
     de, dc = torch.empty_like(h), torch.empty_like(w)
     if name == "floor-cce-chunked":
         n, v = h.shape[0], w.shape[0]
-        sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 132
-        cp = cce_gemm.fused_p_cols(n, v, h.shape[1], h.element_size(), sms)
+        cp = cce_gemm.fused_p_cols(n, v, h.shape[1], h.element_size(), cce_fused.sm_count(h.device))
         buf = torch.empty(n, cp, dtype=h.dtype, device=h.device)
 
         def run_chunked():
@@ -325,8 +324,7 @@ def breakdown(h, w, t, rows: list[dict]) -> None:
     g = torch.ones(n, device=h.device)
     t32 = t.to(torch.int32)
     lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v)
-    sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-    cp = cce_gemm.fused_p_cols(n, v, h.shape[1], h.element_size(), sms)
+    cp = cce_gemm.fused_p_cols(n, v, h.shape[1], h.element_size(), cce_fused.sm_count(h.device))
     p_buf = torch.empty(n, cp, dtype=h.dtype, device=h.device)
     chunks = [(v0, min(cp, v - v0)) for v0 in range(0, v, cp)]
     d_c, d_e = torch.empty_like(w), torch.empty_like(h)

@@ -118,7 +118,7 @@ def test_fused_backward_wave_width_matches_widest():
     ones = torch.ones(n, device="cuda")
     if not cce_fused.usable(h, w):
         pytest.skip("fused passes need sm_90+")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = cce_fused.sm_count(h.device)
     lse, _ = cce_gemm.gemm_shard_forward(h, w, t, v)
     widest = cce_gemm.chunk_cols(n, v, 2, cce_gemm.P_BYTES, cce_fused.BWD.block_v)
     grads = {}

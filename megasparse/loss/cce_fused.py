@@ -128,6 +128,12 @@ if triton is not None:
             tl.store(P + rows.to(tl.int64)[:, None] * stride_p + cols[None, :], p.to(P.dtype.element_ty), mask=ok)
 
 
+def sm_count(device: torch.device) -> int:
+    """SMs of ``device``: the persistent passes' program count and ``cce_gemm.wave_cols``'s wave width. Off the GPU
+    (the interpreter) a few, so a persistent tile loop still runs more than once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+
+
 class Descriptors:
     """The TMA descriptors of h and w for one tiling: the tiling travels with them, so a launch cannot read tiles of
     another shape than its kernel's blocks."""
@@ -136,9 +142,9 @@ class Descriptors:
         self.cfg = cfg
         self.e = TensorDescriptor.from_tensor(h, [cfg.block_m, cfg.block_d])
         self.c = TensorDescriptor.from_tensor(w, [cfg.block_v, cfg.block_d])
-        # persistent programs: one per SM, each holding one tile's pipeline. Off the GPU (the interpreter) a few, so
-        # the tile loop still runs more than once. Read once here, not at each of a backward's chunk launches.
-        self.sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 3
+        # persistent programs: one per SM, each holding one tile's pipeline. Read once here, not at each of a
+        # backward's chunk launches.
+        self.sms = sm_count(h.device)
 
     def programs(self, n: int, c: int) -> int:
         """Programs of one launch over [n, c]: one per SM, never more than tiles."""

@@ -134,7 +134,10 @@ def wave_cols(n_rows: int, n_cols: int, d: int, cap: int, sms: int, align: int =
     ``P_BYTES`` (3584 columns) gives dC 448 tiles, 3.4 waves on 132 SMs run as 4; 3072 columns give 384 (2.9):
     this model picks 3072 for Llama-3-8B and keeps 3584 for Gemma-2 (D = 2304), as measured (decision 0205)."""
     tm, tn = _TILE
-    cdiv = triton.cdiv if triton is not None else (lambda a, b: -(-a // b))
+
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
     if n_cols <= cap:  # one chunk
         return cap
     cap = max(align, cap // align * align)
