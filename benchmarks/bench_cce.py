@@ -15,6 +15,9 @@ must do, unchunked or over CCE's chunks) N times in turn, in an order shuffled e
 compares neighbours in time; it reports the median and range of those ratios. One call's single timing moves with
 the GPU's clocks.
 
+``--scratch-mb 112,224`` adds ``megasparse-cce-scratch<MB>`` to either mode: CCE with ``loss.cce_scratch_mb`` at
+that bound (wider vocabulary chunks for more memory; the default is 56 MB).
+
 Inputs are synthetic but peaky like a trained model's (Zipf-like token bias along a shared direction plus a
 boosted target), so gradient filtering and vocabulary sorting see realistic block sparsity.
 """
@@ -105,9 +108,11 @@ def bench_ms(fn, reps: int = 10) -> float:
 def fwd_bwd_runner(name: str, h, w, t):
     """A closure running fwd+bwd of method ``name`` on fresh grads, or None if unavailable."""
     if name.startswith("megasparse"):
+        scratch = name.partition("-scratch")[2]  # megasparse-cce-scratch224: loss.cce_scratch_mb=224
         cfg = LossConfig(  # the default backend on CUDA is gemm (exact); "tiles" is the Triton tile kernels
             impl="cce", sort_vocab="sort" in name, filter_eps=None if "exact" in name else 2.0**-12,
             grad_accum_fp32="fp32" in name, backend="triton" if "tiles" in name else None,
+            cce_scratch_mb=int(scratch) if scratch else None,
         )  # fmt: skip
 
         def loss_fn(hh, ww):
@@ -408,9 +413,9 @@ def print_table(table: list[dict], dev: str) -> None:
 
 
 def print_rounds(table: list[dict], dev: str, n_rounds: int) -> None:
-    print(f"\n{'shape':<11}{'method':<22}{'median ms':>10}{'min':>8}{'max':>8}{'x torch':>9}{'range':>14}")
+    print(f"\n{'shape':<11}{'method':<27}{'median ms':>10}{'min':>8}{'max':>8}{'x torch':>9}{'range':>14}")
     for r in table:
-        print(f"{r['shape']:<11}{r['method']:<22}{r['ms']:>10.2f}{r['ms_min']:>8.2f}{r['ms_max']:>8.2f}"
+        print(f"{r['shape']:<11}{r['method']:<27}{r['ms']:>10.2f}{r['ms_min']:>8.2f}{r['ms_max']:>8.2f}"
               f"{r['ratio_vs_torch']:>9.3f}{r['ratio_min']:>8.3f}-{r['ratio_max']:.3f}")  # fmt: skip
     print(f"device: {dev}  ({n_rounds} interleaved rounds; x torch: the median of each round's ratio)")
 
@@ -424,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp64", action="store_true", help="gradient error of every method against an fp64 reference")
     ap.add_argument("--gemm-sweep", action="store_true", help="sweep the GEMM backend's chunks and fused tilings")
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds of CCE, torch, mcore and the floors")
+    ap.add_argument("--scratch-mb", default="", help="also CCE at these loss.cce_scratch_mb bounds (MiB, a,b,...)")
     args = ap.parse_args(argv)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}  torch {torch.__version__}", flush=True)
@@ -434,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = ("megasparse-cce", "megasparse-cce-widest", "megasparse-cce-cublas", "megasparse-cce-fp32dE",
                "megasparse-cce-tiles-sort", "apple-cce", "liger-flce", "mcore-materialised",
                "torch-materialised")  # fmt: skip
+    scratch = tuple(f"megasparse-cce-scratch{int(mb)}" for mb in args.scratch_mb.split(",") if mb)
+    methods = methods[:1] + scratch + methods[1:]
     for shape in args.shapes.split(","):
         n, v, d = SHAPES[shape]
         h, w, t = make_inputs(n, v, d)
@@ -443,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             sweep_gemm(h, w, t, rows)
             breakdown(h, w, t, rows)
         if args.rounds:
-            ms = ("megasparse-cce", "megasparse-cce-widest", "torch-materialised", "mcore-materialised", *FLOORS)
+            ms = ("megasparse-cce", *scratch, "megasparse-cce-widest", "torch-materialised", "mcore-materialised",
+                  *FLOORS)  # fmt: skip
             table += rounds(h, w, t, shape, args.rounds, ms, rows)
             del h, w, t
             torch.cuda.empty_cache()

@@ -132,3 +132,8 @@ def test_fused_backward_wave_width_matches_widest():
     assert grads[False, "cols"] == widest and grads[True, "cols"] <= widest
     assert _rel(grads[True][0], grads[False][0]) < 1e-2
     assert torch.equal(grads[True][1], grads[False][1])  # dC: each vocabulary row's one GEMM, K = all rows, either way
+    # loss.cce_scratch_mb: P as wide as the whole slice in one chunk, the same gradients to dE's rounding
+    whole = n * 9216 * 2  # bytes of a P 9216 columns wide (a multiple of the tile), > v
+    one = cce_gemm.gemm_shard_backward(h, w, t, lse, ones, ones, v, scratch=whole)
+    assert cce_gemm.fused_p_cols(n, v, d, 2, sms, whole) == v > grads[True, "cols"]
+    assert _rel(one[0], grads[True][0]) < 1e-2 and _rel(one[1], grads[True][1]) < 1e-3

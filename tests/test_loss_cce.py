@@ -157,8 +157,10 @@ def test_split_pieces_merge_like_one_slice():
 
 
 @pytest.mark.parametrize(
-    "field,value", [("impl", "cuda"), ("backend", "cuda"), ("filter_eps", 2.0), ("softcap", -1.0), ("z_loss", -1.0)]
-)
+    "field,value",
+    [("impl", "cuda"), ("backend", "cuda"), ("filter_eps", 2.0), ("softcap", -1.0), ("z_loss", -1.0),
+     ("cce_scratch_mb", 0)],
+)  # fmt: skip
 def test_config_errors_name_the_key(field, value):
     cfg = LossConfig(**{field: value})
     with pytest.raises(ConfigError, match=f"loss.{field}"):
@@ -291,3 +293,36 @@ def test_auto_impl_picks_by_materialised_logit_memory():
     cce = run(h, w, t, LossConfig(impl="cce", filter_eps=None), 300, gout)
     for a, b, c, d in zip(auto, mat, over, cce):
         assert torch.equal(a, b) and torch.equal(c, d)
+
+
+def test_cce_scratch_reaches_the_gemm_backward(monkeypatch):
+    """loss.cce_scratch_mb bounds the exact backward's chunk buffer: from a dotted override through LossOptions (the
+    TP loss and the vocab-over-PP slices) to the GEMM backend's call, which the gradients do not depend on."""
+    from megasparse.config import load_config
+    from megasparse.loss import cce_launch
+    from megasparse.loss.pipeline import _Slice
+    from megasparse.loss.reference import torch_shard_backward, torch_shard_forward
+
+    assert LossConfig().scratch_bytes is None
+    cfg = load_config(None, ["loss.cce_scratch_mb=224"]).loss
+    assert cfg.cce_scratch_mb == 224 and cfg.scratch_bytes == 224 * 2**20
+    assert _Slice(cfg, 0, 300, 300, torch.float32, -100, 33).opt.scratch_bytes == 224 * 2**20
+    seen = []
+
+    def backward(*args, scratch=None, dc_out=None):  # the GEMM backend needs Triton: the reference computes
+        seen.append(scratch)
+        d_e, d_c = torch_shard_backward(*args[:8])
+        if dc_out is None:
+            return d_e, d_c
+        dc_out.add_(d_c)
+        return d_e, None
+
+    monkeypatch.setattr(cce_launch, "gemm_shard_forward", torch_shard_forward)
+    monkeypatch.setattr(cce_launch, "gemm_shard_backward", backward)
+    h, w, t, gout = inputs(33, 300, 16, seed=15)
+    ref = run(h, w, t, LossConfig(impl="cce", filter_eps=None, backend="torch"), 300, gout)
+    for mb in (None, 7):
+        got = run(h, w, t, LossConfig(impl="cce", filter_eps=None, backend="gemm", cce_scratch_mb=mb), 300, gout)
+        assert seen[-1] == (None if mb is None else mb * 2**20)
+        for a, b in zip(got, ref):
+            close(a, b, 1e-6)

@@ -116,6 +116,13 @@ def _run_gemm_cases() -> None:
 
     assert chunk_cols(8192, 128256, 4) == 1536 and chunk_cols(10**6, 5000, 2) == 256 and chunk_cols(3, 300, 2) == 300
     assert backward_chunks(8192, 128256, 2, 4) == (512, 2048) and backward_chunks(8192, 128256, 2, 2) == (3072, 3072)
+    mib = 2**20  # loss.cce_scratch_mb: wider chunks under a larger bound, within it
+    assert backward_chunks(8192, 128256, 2, 4, 96 * mib) == (1024, 4096)
+    assert backward_chunks(8192, 128256, 2, 2, 96 * mib) == (6144, 6144)
+    assert cce_gemm.fused_p_cols(8192, 128256, 4096, 2, 132) == 3072
+    for mb, lo in ((112, 3584), (224, 7168), (448, 14336)):
+        c = cce_gemm.fused_p_cols(8192, 128256, 4096, 2, 132, mb * mib)
+        assert lo <= c and 8192 * c * 2 <= mb * mib, (mb, c)
     _check_wave_cols()
     for i, (n, v, pad, d, sc) in enumerate(((37, 300, 3, 48, None), (53, 261, 0, 40, 5.0))):
         g = torch.Generator().manual_seed(200 + i)

@@ -157,21 +157,25 @@ def wave_cols(n_rows: int, n_cols: int, d: int, cap: int, sms: int, align: int =
     return min(widths, key=lambda c: (cost(c), -c))
 
 
-def fused_p_cols(n_rows: int, n_cols: int, d: int, elem_bytes: int, sms: int) -> int:
-    """The fused backward's P width: ``wave_cols``'s under ``P_BYTES`` (the widest there if not ``WAVE_WIDTH``)."""
+def fused_p_cols(n_rows: int, n_cols: int, d: int, elem_bytes: int, sms: int, budget: int | None = None) -> int:
+    """The fused backward's P width: ``wave_cols``'s under ``budget`` bytes, ``P_BYTES`` by default (the widest there
+    if not ``WAVE_WIDTH``)."""
     block = cce_fused.BWD.block_v
-    cap = chunk_cols(n_rows, n_cols, elem_bytes, P_BYTES, block)
+    cap = chunk_cols(n_rows, n_cols, elem_bytes, P_BYTES if budget is None else budget, block)
     return wave_cols(n_rows, n_cols, d, cap, sms, block) if WAVE_WIDTH else cap
 
 
-def backward_chunks(n_rows: int, n_cols: int, elem_bytes: int, s_bytes: int) -> tuple[int, int]:
-    """(S columns, P columns) of the backward. With S in fp32, P (the input dtype) spans ``P_PER_S`` S sub-chunks, so
-    the dE GEMM's K is that much longer and dE is re-read and re-written that many times less (per chunk it costs
-    [rows, D] of traffic: 3.4 of 14 ms on the Llama shape at 1024 columns, H100). P over S in place: one width."""
+def backward_chunks(
+    n_rows: int, n_cols: int, elem_bytes: int, s_bytes: int, budget: int | None = None
+) -> tuple[int, int]:
+    """(S columns, P columns) of the backward within ``budget`` bytes (``CHUNK_BYTES`` by default). With S in fp32,
+    P (the input dtype) spans ``P_PER_S`` S sub-chunks, so the dE GEMM's K is that much longer and dE is re-read and
+    re-written that many times less (per chunk it costs [rows, D] of traffic: 3.4 of 14 ms on the Llama shape at 1024
+    columns, H100). P over S in place: one width."""
     if s_bytes == elem_bytes:
-        c = chunk_cols(n_rows, n_cols, elem_bytes)
+        c = chunk_cols(n_rows, n_cols, elem_bytes, budget)
         return c, c
-    cs = chunk_cols(n_rows, n_cols, s_bytes + P_PER_S * elem_bytes)
+    cs = chunk_cols(n_rows, n_cols, s_bytes + P_PER_S * elem_bytes, budget)
     return cs, min(n_cols, P_PER_S * cs)
 
 
@@ -266,13 +270,15 @@ def gemm_shard_backward(
     sub: int | None = None,
     dc_out: Tensor | None = None,
     fused: bool | None = None,
+    scratch: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(dE [n, D] in h.dtype, dC [V_local, D] in w.dtype) for dlogits = gs·softmax(S − lse) − gt·onehot(tgt).
 
     ``accum_fp32`` keeps the running dE in fp32 ([n, D] scratch) instead of rounding it to the input dtype after
     every chunk. ``chunk``/``sub`` override the P and S widths (tests, sweeps; ``sub`` is the cuBLAS pass's).
     ``dc_out`` (fp32): each chunk's dC GEMM adds into it (no compute-dtype dC, no cast, no separate add) and None is
-    returned for dC. ``fused`` (default: where ``cce_fused.usable``) forms P in the logit GEMM's epilogue."""
+    returned for dC. ``fused`` (default: where ``cce_fused.usable``) forms P in the logit GEMM's epilogue. ``scratch``:
+    bytes the chunk buffer may take (``loss.cce_scratch_mb``; None: ``P_BYTES`` fused, ``CHUNK_BYTES`` otherwise)."""
     n, d = h.shape
     h, w = h.contiguous(), w.contiguous()
     d_c = None
@@ -290,14 +296,14 @@ def gemm_shard_backward(
     lse, gs, gt = (x.float().contiguous() for x in (lse, gs, gt))
     if _fused(h, w, fused):  # P straight from the logit tiles in registers: no S buffer
         desc = cce_fused.Descriptors(h, w, cce_fused.BWD)
-        cp = min(n_valid, chunk or fused_p_cols(n, n_valid, d, h.element_size(), desc.sms))
+        cp = min(n_valid, chunk or fused_p_cols(n, n_valid, d, h.element_size(), desc.sms, scratch))
         p_buf = _scratch(n, cp, h.dtype, h.device)
 
         def fill(p: Tensor, v0: int) -> None:
             cce_fused.grad_pass(desc, t32, lse, gs, gt, v0, p, softcap)
     else:
         s_dt = _s_dtype(h)
-        cs, cp = backward_chunks(n, n_valid, h.element_size(), s_dt.itemsize)
+        cs, cp = backward_chunks(n, n_valid, h.element_size(), s_dt.itemsize, scratch)
         cp = chunk or cp
         cs = min(cp, sub or (cp if s_dt == h.dtype else cs))
         s_buf = _scratch(n, cs, s_dt, h.device)

@@ -198,14 +198,16 @@ def shard_backward(
     accum_fp32: bool = False,
     backend: str | None = None,
     dc_out: Tensor | None = None,
+    scratch: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(dE, dC) of this slice for dlogits = gs·softmax(logits − merged lse) − gt·onehot(tgt).
 
     ``dc_out`` (fp32, the weight's gradient bucket slice): dC is added into it instead of returned (None then);
-    the GEMM and materialised backends write it from their GEMMs directly (``ops/wgrad.py``)."""
+    the GEMM and materialised backends write it from their GEMMs directly (``ops/wgrad.py``). ``scratch``: bytes
+    the GEMM backend's chunk buffer may take (``loss.cce_scratch_mb``)."""
     backend = backend or backend_for(h)
     if backend == "gemm":  # exact: its FLOPs are dense GEMMs, skipping entries would save nothing (decision 0203)
-        return gemm_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, accum_fp32, dc_out=dc_out)
+        return gemm_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, accum_fp32, dc_out=dc_out, scratch=scratch)
     if backend == "materialized":  # no filtering: the logits exist anyway, skipping entries saves nothing
         return materialized_shard_backward(h, w, tgt, lse, gs, gt, n_valid, softcap, dc_out)
     if backend == "triton":

@@ -46,6 +46,12 @@ class LossConfig:
     dtype. Each dE row takes one add per kept vocabulary tile, so in bf16 its rounding dominates: on the Gemma-2
     shape the dE error against fp32 falls from 0.37 to 0.19 filtered and from 0.71 to 0.003 exact (H200,
     docs/benchmarks/cce.md)."""
+    cce_scratch_mb: int | None = None
+    """Bound in MiB on the exact CCE backward's chunk buffer (``backend=gemm``: the fused passes' P, [rows, c] in the
+    compute dtype; the cuBLAS pass's S and P). Wider chunks mean fewer GEMM ramps and tails and fewer re-reads of dE.
+    None: 56 (fused) and 48 (cuBLAS), inside issue 12's 64 MB of extra memory. On the Llama-3-8B shape (8192 rows, one
+    H100, decision 0206) the loss took 0.975x torch's materialised loss at 56, 0.953x at 112, 0.940x at 224 and 0.935x
+    at 448; a rank with memory to spare gains by raising it."""
     backend: Literal["gemm", "triton", "torch"] | None = None
     """Force the cce backend: gemm (exact, over bounded vocabulary chunks: on sm_90+ Triton GEMMs with the softmax in
     their epilogue for the logits and cuBLAS for dC and dE, elsewhere cuBLAS with Triton softmax kernels), triton (the
@@ -61,6 +67,11 @@ class LossConfig:
     pick it: the embedding costs memory but almost no compute, so it goes where the pipeline holds the fewest
     activations (the last stages) until the estimated per-stage memory is level."""
 
+    @property
+    def scratch_bytes(self) -> int | None:
+        """``cce_scratch_mb`` in bytes (None: the kernels' own bounds)."""
+        return None if self.cce_scratch_mb is None else self.cce_scratch_mb * 2**20
+
     def resolved_impl(self, rows: int, vocab_local: int) -> str:
         """``resolve_impl``'s choice, for callers that hold a config but must not import the loss package."""
         return resolve_impl(self, rows, vocab_local)[0]
@@ -74,6 +85,10 @@ class LossConfig:
             raise ConfigError("loss.impl=mcore: megatron-core's loss has no softcap or z-loss; use cce or torch")
         if self.impl == "mcore" and self.vocab_over_pp:
             raise ConfigError("loss.impl=mcore cannot shard the vocabulary over PP; use loss.impl=cce or torch")
+        if self.cce_scratch_mb is not None and self.cce_scratch_mb <= 0:
+            raise ConfigError(
+                f"loss.cce_scratch_mb={self.cce_scratch_mb!r}: use a positive whole number of MiB or null"
+            )
         if self.backend not in (None, "gemm", "triton", "torch"):
             raise ConfigError(f"loss.backend={self.backend!r}: use gemm, triton, torch or leave it unset")
         if self.filter_eps not in (None, "auto") and not 0 <= self.filter_eps < 1:

@@ -31,6 +31,8 @@ class LossOptions:
     filter_eps: float | None = 2.0**-12
     sort_vocab: bool = False
     accum_fp32: bool = False
+    scratch_bytes: int | None = None
+    """Bound on the exact backward's chunk buffer (``loss.cce_scratch_mb``); None: the kernels' own."""
     ignore_index: int = -100
     sequence_parallel: bool = False
     backend: str | None = None
@@ -123,8 +125,9 @@ def slice_grads(
     perm = vocab_order(h, w, opt.n_valid) if sort else None
     t = local_targets(targets, opt.vocab_start, opt.n_valid)
     d_e, d_c = shard_backward(
-        h, w, t, lse, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, backend, dc_out
-    )
+        h, w, t, lse, gs, g, opt.n_valid, opt.softcap, opt.filter_eps, perm, opt.accum_fp32, backend, dc_out,
+        opt.scratch_bytes,
+    )  # fmt: skip
     return d_e, d_c, rows
 
 
@@ -146,5 +149,6 @@ def loss_options(
     return LossOptions(
         n_valid=n_valid, vocab_start=vocab_start, softcap=cfg.softcap, z_loss=cfg.z_loss,
         filter_eps=filter_threshold(cfg.filter_eps, dtype), sort_vocab=cfg.sort_vocab, accum_fp32=cfg.grad_accum_fp32,
-        ignore_index=ignore_index, sequence_parallel=sequence_parallel, backend=cfg.backend,
+        scratch_bytes=cfg.scratch_bytes, ignore_index=ignore_index, sequence_parallel=sequence_parallel,
+        backend=cfg.backend,
     )  # fmt: skip

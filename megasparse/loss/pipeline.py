@@ -94,8 +94,8 @@ class _Slice:
         self.opt = LossOptions(
             n_valid=max(0, min(width, vocab_size - vocab_start)), vocab_start=vocab_start, softcap=cfg.softcap,
             z_loss=cfg.z_loss, filter_eps=filter_threshold(cfg.filter_eps, dtype) if cce else None,
-            sort_vocab=cfg.sort_vocab, accum_fp32=cfg.grad_accum_fp32, ignore_index=ignore_index,
-            backend=cfg.backend if cce else "torch",
+            sort_vocab=cfg.sort_vocab, accum_fp32=cfg.grad_accum_fp32, scratch_bytes=cfg.scratch_bytes,
+            ignore_index=ignore_index, backend=cfg.backend if cce else "torch",
         )  # fmt: skip
 
     def forward(self, h: Tensor, w: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
