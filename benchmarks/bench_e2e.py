@@ -95,7 +95,7 @@ MODES: dict[str, list[str]] = {
 EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense step with each loss pinned, and eager
     "loss=torch": ["loss.impl=torch"],
     "loss=mcore": ["loss.impl=mcore"],
-    "cce/scratch224": _CCE + ["loss.cce_scratch_mb=224"],  # wider CCE chunks for 168 MB more scratch
+    "cce/scratch224": _CCE + ["loss.cce_scratch_mb=224"],  # P up to 224 MB, not 56 (decision 0206)
     "dense/eager": ["train.cuda_graphs=false"],
     "collider/eager": _COLLIDER + ["train.cuda_graphs=false"],
     "loss_mask": ["filter.mode=loss_mask", "filter.keep_ratio=0.6", "filter.scorer=loss"],
