@@ -80,8 +80,8 @@ def timed_choice(
 ) -> tuple[str, str]:
     """(impl, why): cce when its measured time is at most the materialised loss's, torch otherwise; ``fallback``
     (the memory rule's answer) when the check cannot run. Cached per shape: the first call decides for the run."""
-    key = (rows, width, hidden, dtype, str(device), n_valid, cfg.softcap, cfg.z_loss, cfg.backend, cfg.filter_eps,
-           cfg.sort_vocab, cfg.grad_accum_fp32, cfg.cce_scratch_mb)  # fmt: skip
+    # every option the timed losses read, resolved (LossOptions is frozen): a new loss key cannot be left out here
+    key = (rows, width, hidden, dtype, str(device), loss_options(cfg, "cce", dtype, n_valid, 0, -100, False))
     if key in _CHOICES:
         return _CHOICES[key]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
