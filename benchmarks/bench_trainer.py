@@ -33,10 +33,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megasparse.config import Config, ConfigError, load_config  # noqa: E402
-from megasparse.data.dataset import batch_iterator  # noqa: E402
+from megasparse.data.dataset import batch_iterator, build_data  # noqa: E402
 from megasparse.metrics import flops_per_token, peak_tflops  # noqa: E402
 from megasparse.parallel import comm, state  # noqa: E402
-from megasparse.train import Trainer, build_data  # noqa: E402
+from megasparse.train import Trainer  # noqa: E402
 
 IMPLS = ("megasparse", "mcore-sdpa", "mcore-local")
 

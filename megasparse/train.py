@@ -32,21 +32,14 @@ from megasparse.filtering.component import TokenFilter
 from megasparse.guard import NonFiniteGuard
 from megasparse.loss import pipeline as vocab_pp
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_tflops, step_record
-from megasparse.model.builder import (
-    InferenceModel,
-    build_data_parallel,
-    build_model,
-    load_model_for_inference,
-    lr_at,
-    resolve_device,
-    resolve_dtype,
-)
+from megasparse.model.builder import build_model, resolve_device, resolve_dtype
 from megasparse.ops.compact import KeepHolder
+from megasparse.optim import build_data_parallel, lr_at
 from megasparse.parallel import comm, state
 from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, forward_only, lockstep, one_f_one_b
 from megasparse.sparse24.converter import Sparse24Converter
 
-__all__ = ["InferenceModel", "StepResult", "Trainer", "build_data", "load_model_for_inference", "main", "run_training"]
+__all__ = ["StepResult", "Trainer", "main", "run_training"]
 
 
 def log0(msg: str) -> None:

@@ -14,7 +14,7 @@ SPARSE = ["sparsity.enabled=true", "sparsity.refresh_interval=2", "sparsity.deca
 
 def _train(extra: list[str], copies: bool, fused: bool, steps: int = 4) -> dict:
     from megasparse.config import load_config
-    from megasparse.model.builder import _decay_groups
+    from megasparse.optim import _decay_groups
     from megasparse.parallel.layers import _ParallelLinear
     from megasparse.sparse24.gemm import Sparse24Gemm
     from megasparse.train import Trainer

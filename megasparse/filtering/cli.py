@@ -179,8 +179,8 @@ def _cmd_score(argv: list[str]) -> int:
 
     from megasparse.config import load_config
     from megasparse.data.indexed import IndexedDataset
+    from megasparse.model.builder import load_model_for_inference
     from megasparse.parallel import comm
-    from megasparse.train import load_model_for_inference
 
     cfg = load_config(args.config, args.overrides)
     model = load_model_for_inference(cfg, args.checkpoint)  # under torchrun: one replica per rank
