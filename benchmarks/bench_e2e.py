@@ -93,7 +93,7 @@ MODES: dict[str, list[str]] = {
     "all three": _COLLIDER + _CCE + _SPARSE,
 }
 EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense step with each loss pinned, and eager
-    "loss=torch": ["loss.impl=torch"],
+    "loss=materialized": ["loss.impl=materialized"],
     "loss=mcore": ["loss.impl=mcore"],
     "cce/scratch224": _CCE + ["loss.cce_scratch_mb=224"],  # P up to 224 MB, not 56 (decision 0206)
     "dense/eager": ["train.cuda_graphs=false"],

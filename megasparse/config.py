@@ -147,7 +147,7 @@ class Config:
         if self.loss.impl == "mcore" and self.filter.mode == "collider":
             raise ConfigError(
                 "loss.impl=mcore has a dense backward, so filter.mode=collider cannot compact it; "
-                "use loss.impl=cce or torch, or filter.mode=loss_mask"
+                "use loss.impl=cce or materialized, or filter.mode=loss_mask"
             )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")

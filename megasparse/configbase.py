@@ -96,6 +96,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
+def check_renamed(cls: type, key: str, value: Any, full: str) -> None:
+    """ConfigError naming the new spelling when ``value`` is one a section renamed (its ``RENAMED`` class attribute:
+    {field: {old value: new value}}): an old name fails with the fix rather than living on beside the new one."""
+    new = getattr(cls, "RENAMED", {}).get(key, {}).get(value) if isinstance(value, str) else None
+    if new is not None:
+        raise ConfigError(f"{full}={value} was renamed: use {full}={new}")
+
+
 def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     """Build dataclass ``cls`` from a nested dict, rejecting unknown keys with a suggestion."""
     hints = typing.get_type_hints(cls)
@@ -105,6 +113,7 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
         full = f"{path}.{key}" if path else key
         if key not in fields:
             raise ConfigError(f"unknown config key '{full}'{_suggest(key, list(fields))}")
+        check_renamed(cls, key, value, full)
         kwargs[key] = _coerce(value, hints[key], full)
     return cls(**kwargs)
 

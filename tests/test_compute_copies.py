@@ -113,7 +113,7 @@ def test_layers_add_weight_gradients_into_main_grad():
         assert torch.equal(fused[k], ref[k])
 
 
-@pytest.mark.parametrize("impl", ["torch", "cce"])
+@pytest.mark.parametrize("impl", ["materialized", "cce"])
 def test_loss_adds_the_output_weight_gradient_into_main_grad(impl):
     """The output layer's fusion: given the fp32 master and its bf16 copy, the loss adds dC into the master's
     ``main_grad`` itself (two micro-batches), the post-accumulate hook fires once per backward, padding rows stay

@@ -167,8 +167,9 @@ def estimate(
             params += out_cols * h
             flops += loss_flops(cfg, tokens, out_cols)
             act += tokens * h * elem  # the (gathered) final hidden the loss keeps for its backward
-            # materialised logits (impl=torch/mcore, or auto under its budget): [tokens, V_local] fp32 + compute dtype
-            if cfg.loss.resolved_impl(tokens, out_cols) in ("torch", "mcore"):
+            # materialised logits (impl=materialized/mcore, or auto under its budget): [tokens, V_local] fp32 +
+            # compute dtype
+            if cfg.loss.resolved_impl(tokens, out_cols) in ("materialized", "mcore"):
                 act += tokens * out_cols * (4 + elem)
         stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, params * STATE_BYTES / GIB, act / GIB))
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
