@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from megasparse.config import Config, ConfigError, load_config
+from megasparse.configbase import parse_with_overrides
 
 GIB = 1024**3
 STATE_BYTES = 16
@@ -275,13 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.pp=4 model.vocab_size=128000")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size (sets micro-batches per step)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size when model.vocab_size is null")
-    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    a = parse_with_overrides(ap, list(sys.argv[1:] if argv is None else argv))
     path, overrides = a.config, list(a.overrides)
     if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
         path, overrides = None, [path] + overrides
     try:
         cfg = load_config(path, overrides)
-        cfg.validate(cfg.parallel.tp * cfg.parallel.pp * a.dp)
+        cfg.validate(cfg.parallel.tp * cfg.parallel.pp * a.dp, devices=False)  # no CUDA needed: it is arithmetic
         if cfg.parallel.virtual_stages > 1:
             raise ConfigError("megasparse plan models plain 1F1B stages; plan with parallel.virtual_stages=1")
         pa, pb, pc = plans(cfg, a.vocab, a.dp)
