@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_trainer as bt  # noqa: E402
 
 from megasparse.config import ConfigError, load_config  # noqa: E402
+from megasparse.configbase import parse_with_overrides  # noqa: E402
 from megasparse.loss import AUTO_CHOICES  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 
@@ -93,7 +94,7 @@ MODES: dict[str, list[str]] = {
     "all three": _COLLIDER + _CCE + _SPARSE,
 }
 EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense step with each loss pinned, and eager
-    "loss=torch": ["loss.impl=torch"],
+    "loss=materialized": ["loss.impl=materialized"],
     "loss=mcore": ["loss.impl=mcore"],
     "cce/scratch224": _CCE + ["loss.cce_scratch_mb=224"],  # P up to 224 MB, not 56 (decision 0206)
     "dense/eager": ["train.cuda_graphs=false"],
@@ -366,7 +367,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpu-warmup-s", type=float, default=45.0, help="GEMMs before the first case, to settle clocks")
     p.add_argument("--no-repeat", dest="repeat", action="store_false", help="skip re-timing anchor and dense last")
     p.add_argument("--plot", default=None, help="only plot this JSON to docs/img/e2e_<layout>.png")
-    return p.parse_args(argv)
+    return parse_with_overrides(p, argv)  # key=value anywhere on the line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,8 +109,10 @@ class Config:
     filter: FilterConfig = field(default_factory=FilterConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
 
-    def validate(self, world_size: int) -> int:
-        """Check everything that can be checked without a process group; return the DP size."""
+    def validate(self, world_size: int, devices: bool = True) -> int:
+        """Check everything that can be checked without a process group; return the DP size. ``devices=False``
+        skips what depends on this machine (CUDA present, the output directory writable): `megasparse plan` is
+        arithmetic about a run on other machines."""
         m, p, t = self.model, self.parallel, self.train
         m.validate()
         dp = p.validate(world_size, m.num_layers, m.seq_length)
@@ -137,7 +139,7 @@ class Config:
             )
         if self.optim.warmup_steps < 0 or self.optim.lr <= 0:
             raise ConfigError("optim.lr must be > 0 and optim.warmup_steps >= 0")
-        self._validate_operations()
+        self._validate_operations(devices)
         self.data.validate()
         self.loss.validate()
         self.filter.validate()
@@ -147,7 +149,7 @@ class Config:
         if self.loss.impl == "mcore" and self.filter.mode == "collider":
             raise ConfigError(
                 "loss.impl=mcore has a dense backward, so filter.mode=collider cannot compact it; "
-                "use loss.impl=cce or torch, or filter.mode=loss_mask"
+                "use loss.impl=cce or materialized, or filter.mode=loss_mask"
             )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")
@@ -169,7 +171,7 @@ class Config:
             )
         return dp
 
-    def _validate_operations(self) -> None:
+    def _validate_operations(self, devices: bool = True) -> None:
         """Values that used to crash mid-run (ZeroDivisionError, val NaN) or be silently accepted."""
         t, o, lg = self.train, self.optim, self.logging
         for name, v in (("grad_clip", o.grad_clip), ("weight_decay", o.weight_decay), ("min_lr", o.min_lr)):
@@ -186,6 +188,8 @@ class Config:
             raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
         if self.checkpoint.keep_last < 0 or self.checkpoint.save_interval < 0:
             raise ConfigError("checkpoint.keep_last and checkpoint.save_interval must be >= 0")
+        if not devices:
+            return
         import torch
 
         if not torch.cuda.is_available():

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
+from megasparse.banner import RunFacts, format_banner
 from megasparse.config import Config, ConfigError, dump_config, load_config
 from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
@@ -31,22 +32,15 @@ from megasparse.data.dataset import build_data, iterate_batches
 from megasparse.filtering.component import TokenFilter
 from megasparse.guard import NonFiniteGuard
 from megasparse.loss import pipeline as vocab_pp
-from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_tflops, step_record
-from megasparse.model.builder import (
-    InferenceModel,
-    build_data_parallel,
-    build_model,
-    load_model_for_inference,
-    lr_at,
-    resolve_device,
-    resolve_dtype,
-)
+from megasparse.metrics import MetricsLog, Progress, flops_per_token, format_line, peak_tflops, step_record
+from megasparse.model.builder import build_model, resolve_device, resolve_dtype
 from megasparse.ops.compact import KeepHolder
+from megasparse.optim import build_data_parallel, lr_at
 from megasparse.parallel import comm, state
 from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, forward_only, lockstep, one_f_one_b
 from megasparse.sparse24.converter import Sparse24Converter
 
-__all__ = ["InferenceModel", "StepResult", "Trainer", "build_data", "load_model_for_inference", "main", "run_training"]
+__all__ = ["StepResult", "Trainer", "main", "run_training"]
 
 
 def log0(msg: str) -> None:
@@ -269,19 +263,21 @@ class Trainer:
             config=cfg.to_dict(),
         )
         n_world = dist.get_world_size() if dist.is_initialized() else 1
-        log0(
-            f"megasparse: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, vocab {self.vocab} "
-            f"(padded {self.vocab_padded}) | world {n_world} = tp {self.lay.tp} x pp {self.lay.pp} x dp {self.dp}"
-            f"{' +SP' if cfg.parallel.sequence_parallel else ''} | {self.num_mb} micro-batches/step | "
-            f"{self.device.type} {str(self.compute_dtype).replace('torch.', '')} | optimizer state "
-            f"{self.dp_opt.state_bytes() / 2**20:.1f} MiB/rank{' (sharded over dp)' if self.dp_opt.sharded else ''}"
-        )
+        kept = None if self.filter is None else self.filter.kept_rows
+        facts = RunFacts(
+            n_world, self.dp, self.vocab, self.vocab_padded, self.device, self.compute_dtype, self.num_mb, kept,
+            self.dp_opt.state_bytes() / 2**20, self.dp_opt.sharded, self.graphs.blocker,
+        )  # fmt: skip
+        log0(format_banner(cfg, facts))
+        progress = Progress(cfg.train.steps)
+        kept_share = None if kept is None else kept / (cfg.model.seq_length * cfg.train.micro_batch_size)
         history = []
         while self.step < cfg.train.steps:
             r = self.train_step()
             tok_s = r.tokens * self.dp / r.seconds / n_world  # global tokens over all GPUs, per GPU
             rec = step_record(self.step, r.loss, r.grad_norm, r.lr, tok_s, self.flops_tok, self.peak, self.device)
             rec.update(step_time_s=r.seconds, **r.extra)
+            rec.update(progress.fields(self.step, r.seconds, self.consumed * cfg.model.seq_length, kept_share))
             if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps):
                 rec["val_loss"] = self.evaluate()
             history.append(rec)

@@ -50,7 +50,9 @@ def main(argv: list[str]) -> int:
     d.add_argument("--steps", type=int, default=None, help="warm-up steps per run (default: optim.warmup_steps)")
     d.add_argument("--window", type=int, default=3, help="refreshes averaged at the end of each run")
     d.add_argument("--json", default=None, help="write the table here as JSON")
-    args = p.parse_args(argv)
+    from megasparse.configbase import parse_with_overrides
+
+    args = parse_with_overrides(p, argv)  # overrides anywhere, also after --decays
 
     from megasparse.config import ConfigError, load_config
 
