@@ -45,6 +45,18 @@ def _check() -> None:
                 assert torch.equal(_bits(q), _bits(q_ref)), (fmt, axis, tuple(x.shape))
                 assert torch.equal(_bits(qt), _bits(qt_ref)), (fmt, axis, tuple(x.shape))
                 assert torch.equal(s, s_ref) and qt.shape == (x.shape[1], pad)
+    for recipe in ("tensorwise", "rowwise"):  # the layers' path: dgrad, then the wgrad on the same g (its cast reused)
+        gemm, w, x, dy = _operands(recipe, 40, 24, 37, seed=1)
+        ax = "row" if recipe == "rowwise" else "tensor"
+        col = "col" if recipe == "rowwise" else "tensor"
+        w8, out = gemm.operand(), torch.zeros(40, 24)
+        dx = gemm.dgrad(dy, w8)
+        gemm.wgrad_into(dy, x, out)
+        gq = dequantize(*quantize_reference(dy, E5M2, ax), ax).double()
+        wcq = dequantize(*quantize_reference(w.detach(), E4M3, col), col).double()
+        gcq = dequantize(*quantize_reference(dy, E5M2, col), col).double()
+        xcq = dequantize(*quantize_reference(x, E4M3, col), col).double()
+        assert rel(dx, gq @ wcq) < 1e-6 and rel(out, gcq.t() @ xcq) < 1e-6 and gemm._g_t is None
     x = torch.randn(9, 16, generator=g)
     x[4, 5] = float("inf")
     _, _, s = quantize_triton(x, E4M3, "row")

@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from megasparse.fp8.cast import E4M3, E5M2, Axis, dequantize, quantize
+from megasparse.fp8.cast import E4M3, E5M2, Axis, dequantize, quantize, quantize_triton, use_triton
 from megasparse.ops.wgrad import accumulate_mm
 
 Recipe = Literal["tensorwise", "rowwise"]
@@ -68,6 +68,7 @@ class Fp8Gemm:
         self.w8t: torch.Tensor | None = None  # Wᵀ [K, N] e4m3, dgrad
         self.sw = self.swt = None  # their inverse scales (per row of each under rowwise)
         self.version: int | None = None
+        self._g_t: tuple | None = None  # (g, gᵀ e5m2, scale): dgrad's cast handed to the wgrad that follows it
 
     # -- the weight's fp8 copies, once per optimizer step ------------------------------------------
     def refresh(self) -> None:
@@ -101,15 +102,25 @@ class Fp8Gemm:
         return scaled_mm(q, s, self.w8, self.sw, (self.axis, self.axis), x2d.dtype)
 
     def dgrad(self, g2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        q, s = quantize(g2d, E5M2, self.axis)
+        if self.recipe == "tensorwise" and self.wgrad_fp8 and use_triton(g2d):
+            # one scale serves both GEMMs: one read of g writes it and its padded transpose for the wgrad that the
+            # layer runs next on the same g (parallel/layers.py)
+            q, qt, s = quantize_triton(g2d, E5M2, "tensor", transpose=True, pad_to=_pad16(g2d.shape[0]))
+            self._g_t = (g2d, qt, s)
+        else:
+            q, s = quantize(g2d, E5M2, self.axis)
         return scaled_mm(q, s, self.w8t, self.swt, (self.axis, self.axis), g2d.dtype)
 
     def _wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """dW = gᵀ·x in fp8 over the tokens: both operands quantised per feature (rowwise) into their transposes,
         the token dimension zero-padded to a multiple of 16 on CUDA."""
         ax: Axis = "col" if self.recipe == "rowwise" else "tensor"
-        pad = _pad16(g2d.shape[0]) if g2d.is_cuda else None
-        gt, sg = quantize(g2d, E5M2, ax, transpose=True, pad_to=pad)
+        pad = _pad16(g2d.shape[0]) if g2d.is_cuda or use_triton(g2d) else None
+        stash, self._g_t = self._g_t, None
+        if stash is not None and stash[0] is g2d:
+            gt, sg = stash[1], stash[2]
+        else:
+            gt, sg = quantize(g2d, E5M2, ax, transpose=True, pad_to=pad)
         xt, sx = quantize(x2d, E4M3, ax, transpose=True, pad_to=pad)
         back: Axis = "row" if ax == "col" else "tensor"  # a column of g is a row of gᵀ
         return scaled_mm(gt, sg, xt, sx, (back, back), out_dtype)
