@@ -22,12 +22,14 @@ import argparse
 import json
 import os
 import sys
-import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_sparse24 import RESULTS as _SPARSE_RESULTS  # noqa: E402
+from bench_sparse24 import bench, rel, section  # noqa: E402 - the timing, error and section helpers
 
 from megasparse.fp8.cast import E4M3, E5M2, quantize  # noqa: E402
 from megasparse.fp8.gemm import Fp8Gemm  # noqa: E402
@@ -40,34 +42,8 @@ LAYERS = {  # name: (in, out, split) with split = which side TP divides
     "fc1": (H, 2 * FFN, "out"),
     "fc2": (FFN, H, "in"),
 }
-RESULTS: dict = {"checks": [], "rows": [], "torchao": [], "sparse_fp8": [], "notes": []}
-
-
-def bench(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def section(name):
-    def wrap(f):
-        def run(*a, **k):
-            t0 = time.time()
-            try:
-                f(*a, **k)
-            except Exception as e:  # keep going: one broken section must not hide the others
-                RESULTS["notes"].append(f"{name} failed: {type(e).__name__}: {e}")
-                traceback.print_exc()
-            print(f"[{name}] {time.time() - t0:.1f}s", flush=True)
-
-        return run
-
-    return wrap
+RESULTS: dict = {"checks": [], "rows": [], "torchao": [], "sparse_fp8": [], "notes": _SPARSE_RESULTS["notes"]}
+"""``notes`` is the list ``section`` appends a failed section's error to."""
 
 
 def shape(layer: str, tp: int) -> tuple[int, int]:

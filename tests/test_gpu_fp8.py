@@ -4,11 +4,10 @@ train.fp8 trains like the eager one, and fp8 adds no host synchronisation to a s
 
 from __future__ import annotations
 
-import os
-import warnings
-
 import pytest
 import torch
+from test_gpu_cudagraph import one_rank  # noqa: F401 - the module's one-rank NCCL group fixture
+from test_gpu_sync import _syncs
 from tiny import TRAINING, tiny
 
 from megasparse.fp8.cast import E4M3, E5M2, quantize, quantize_reference
@@ -62,17 +61,6 @@ def test_scaled_mm_equals_emulation(recipe: str, n: int, k: int, t: int) -> None
     assert rel(out, outc) < tol, rel(out, outc)
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    from megasparse.parallel import state
-
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29537", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ.setdefault(k, v)
-    state.init(1, 1, False, "nccl")
-    yield
-    state.destroy()
-
-
 BASE = tiny(**TRAINING, model__num_layers=2, train__device="cuda", train__dtype="bf16", model__seq_length=256)
 COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]  # 154 kept rows: padded to 160
 
@@ -84,9 +72,10 @@ def _trainer(overrides: list[str]):
     return Trainer(load_config(None, BASE + ["parallel.backend=nccl"] + overrides), init_groups=False)
 
 
+@pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("fp8", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("mode", ["dense", "collider"])
-def test_captured_fp8_step_equals_eager(one_rank, fp8: str, mode: str) -> None:
+def test_captured_fp8_step_equals_eager(fp8: str, mode: str) -> None:
     """The fp8 weight copies are refreshed in place after each optimizer step, outside the graph, and the casts'
     scales are computed on the device: replaying the captured micro-batch trains like the eager step."""
     ov = [f"train.fp8={fp8}"] + (COLLIDER if mode == "collider" else [])
@@ -102,27 +91,11 @@ def test_captured_fp8_step_equals_eager(one_rank, fp8: str, mode: str) -> None:
         assert a == pytest.approx(b, rel=2e-3), runs
 
 
-def _syncs(overrides: list[str]) -> int:
-    tr = _trainer(overrides + ["train.cuda_graphs=false"])
-    tr.compute_gradients()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            tr.compute_gradients()
-            if tr.fp8 is not None:
-                tr.fp8.post_optimizer_step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    del tr
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
+@pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("mode", ["dense", "collider"])
-def test_fp8_adds_no_host_syncs(one_rank, mode: str) -> None:
-    """Eager forward + backward (and the fp8 weight refresh): the casts read no device value on the host."""
-    ov = COLLIDER if mode == "collider" else []
+def test_fp8_adds_no_host_syncs(mode: str) -> None:
+    """A step's forward + backward with fp8 (test_gpu_sync's count): the casts read no device value on the host."""
+    ov = (COLLIDER if mode == "collider" else []) + ["train.cuda_graphs=false"]  # count the eager casts
     base = _syncs(ov)
     for fp8 in ("tensorwise", "rowwise"):
         assert _syncs(ov + [f"train.fp8={fp8}"]) <= base, fp8
