@@ -126,14 +126,16 @@ if triton is not None:
     def _round_to_grid(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
         """y rounded to the nearest fp8 value (ties to even), still in fp32, so the fp8 store that follows is exact.
         Rounded here rather than by the store's conversion because the interpreter's fp32 → fp8 conversion does
-        not round correctly (124.3 → 64 in e4m3; triton 3.9), and the GPU's does: with the rounding in the kernel
-        both agree with torch's cast bit for bit."""
+        not round correctly (124.3 → 64 in e4m3; triton 3.9). The GPU's conversion (round to nearest even) gets
+        values already on the grid, so it changes nothing there; both agree with torch's cast bit for bit."""
         bits = y.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
-        ulp = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)
-        t = tl.abs(y) / ulp  # exact (a power of two), |t| < 2^(MBITS+1)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN) - MBITS  # the grid step at |y| is 2^e
+        ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        t = tl.abs(y) * inv  # exact (a power of two), |t| < 2^(MBITS+1)
         t = ((t + 12582912.0) - 12582912.0) * ulp  # 1.5·2^23: round to the nearest integer, ties to even
-        return (t.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign (-0)
+        sign = (bits >> 31) << 31  # y's sign bit (so -0 stays -0), kept in int32
+        return (t.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _cast_kernel(
