@@ -52,6 +52,11 @@ class TrainConfig:
     step). CUDA runs whose step reads nothing on the host; megasparse/cudagraph.py says which stay eager and why."""
     max_skipped_steps: int = 10
     """Stop (exit 2) after this many consecutive steps with a non-finite loss or gradient norm; each is skipped."""
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """fp8 GEMMs for qkv, proj, fc1 and fc2 (megasparse/fp8/, decision 1000): e4m3 activations and weights, e5m2
+    gradients, scales from each operand's current amax (one per tensor, or per row along each GEMM's reduction).
+    The output layer and the loss stay bf16; 2:4 fc1/fc2 keep their GEMMs. Needs sm_89+ on CUDA; on CPU it runs an
+    exact emulation (for tests)."""
 
 
 @dataclass
@@ -197,6 +202,13 @@ class Config:
                 raise ConfigError("train.device=cuda but CUDA is not available here; use train.device=cpu or auto")
             if self.parallel.backend == "nccl":
                 raise ConfigError("parallel.backend=nccl needs CUDA, which is not available here; use gloo or auto")
+        if t.fp8 != "off" and t.device != "cpu" and torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability()
+            if cap < (8, 9):
+                raise ConfigError(
+                    f"train.fp8={t.fp8} needs fp8 GEMMs (sm_89+: Ada, Hopper); this GPU is sm_{cap[0]}{cap[1]}: "
+                    "set train.fp8=off"
+                )
         if t.device == "cpu" and self.parallel.backend == "nccl":
             raise ConfigError("parallel.backend=nccl cannot carry train.device=cpu tensors; use gloo or auto")
         writable_dir(lg.out_dir, "logging.out_dir")

@@ -30,6 +30,7 @@ from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
 from megasparse.data.dataset import build_data, iterate_batches
 from megasparse.filtering.component import TokenFilter
+from megasparse.fp8.converter import fp8_converter
 from megasparse.guard import NonFiniteGuard
 from megasparse.loss import pipeline as vocab_pp
 from megasparse.metrics import MetricsLog, Progress, flops_per_token, format_line, peak_tflops, step_record
@@ -87,6 +88,7 @@ class Trainer:
         if cfg.sparsity.enabled:
             self.sparsity = Sparse24Converter(cfg.sparsity, cfg.train.steps, self.compute_dtype)
             self.sparsity.convert(self.model)
+        self.fp8 = fp8_converter(cfg, self.model, self.device)  # train.fp8: qkv/proj/fc1/fc2 in fp8 (None: off)
         self.dp_opt.keep_compute_copies()  # bf16 weights cast once per optimizer step, not per micro-batch
         self.num_mb = cfg.num_microbatches(self.dp)
         s_local = m.seq_length // cfg.parallel.sp_shards
@@ -207,8 +209,10 @@ class Trainer:
         self.dp_opt.clip(gnorm, self.cfg.optim.grad_clip)
         if self.sparsity is not None:
             self.sparsity.pre_optimizer_step(self.dp_opt.optimizer)
-        self.dp_opt.step(wait=self.sparsity is not None)  # the 2:4 hooks read whole weights
+        self.dp_opt.step(wait=self.sparsity is not None or self.fp8 is not None)  # their hooks read whole weights
         extra = {} if self.sparsity is None else self.sparsity.post_optimizer_step(self.step + 1)
+        if self.fp8 is not None:
+            self.fp8.post_optimizer_step()  # the fp8 weight copies, once per step
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.step += 1

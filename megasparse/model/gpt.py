@@ -98,6 +98,11 @@ class TransformerBlock(nn.Module):
         """The FFN GEMMs by weight name (what a model converter such as 2:4 sparsity replaces)."""
         return {lin.pname + ".weight": lin for lin in (self.mlp.fc1, self.mlp.fc2)}
 
+    def linears(self) -> dict[str, nn.Module]:
+        """Every GEMM of the block (qkv, proj, fc1, fc2) by weight name (what a precision converter such as fp8
+        replaces)."""
+        return {lin.pname + ".weight": lin for lin in (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2)}
+
 
 class GPTStage(nn.Module):
     """The part of the decoder that lives on this pipeline rank."""
@@ -218,6 +223,10 @@ class GPTStage(nn.Module):
                 out.update(block.ffn_linears())
         return out
 
+    def linears(self) -> dict[str, nn.Module]:
+        """Every block linear of this stage (qkv, proj, fc1, fc2) by weight name; not the output layer."""
+        return {k: v for block in self.layers for k, v in block.linears().items()}
+
     def param_is_sharded(self, name: str) -> bool:
         """TP-sharded parameters differ across TP ranks; the norms are replicated."""
         return hasattr(self.get_parameter(name), "tp_spec")
@@ -256,6 +265,9 @@ class StageChunks(nn.Module):
     def ffn_linears(self, layers: set[int] | None = None) -> dict[str, nn.Module]:
         """Every chunk's FFN linears (global weight names, so chunks never collide)."""
         return {k: v for c in self.chunks for k, v in c.ffn_linears(layers).items()}
+
+    def linears(self) -> dict[str, nn.Module]:
+        return {k: v for c in self.chunks for k, v in c.linears().items()}
 
     def param_is_sharded(self, name: str) -> bool:
         return hasattr(self.get_parameter(name), "tp_spec")

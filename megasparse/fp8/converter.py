@@ -1,0 +1,83 @@
+"""fp8 GEMMs as a model converter (``train.fp8``), the way the 2:4 converter plugs in.
+
+    conv = fp8_converter(cfg, model)       # None when train.fp8=off; installs Fp8Gemm on qkv/proj/fc1/fc2
+    ... optimizer step ...
+    conv.post_optimizer_step()             # the fp8 weight copies from the new masters, in place
+
+What stays in bf16: the output layer and the loss (``loss/``: CCE's logit GEMMs), the embeddings, and linears that
+already run another GEMM (2:4 fc1/fc2: decision 1000 says why they keep theirs). Under tensor parallelism each TP
+shard scales its own operands (its weight shard, its slice of the gradient): no amax all-reduce (decision 1000).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megasparse.fp8.gemm import Fp8Gemm, Recipe
+from megasparse.parallel.layers import DENSE
+
+__all__ = ["Fp8Converter", "fp8_converter"]
+
+
+def _log0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class Fp8Converter:
+    """Installs ``Fp8Gemm`` on a model's block linears and refreshes their fp8 weight copies after each step."""
+
+    def __init__(self, recipe: Recipe, wgrad_fp8: bool = True) -> None:
+        self.recipe, self.wgrad_fp8 = recipe, wgrad_fp8
+        self.gemms: dict[str, Fp8Gemm] = {}
+        self.skipped: dict[str, str] = {}
+        """weight name → why it kept its GEMM."""
+
+    def convert(self, model: torch.nn.Module) -> dict[str, Fp8Gemm]:
+        """Every linear the model names (``model.linears()``: qkv, proj, fc1, fc2) that still runs the dense GEMM."""
+        return self.convert_linears(model.linears())
+
+    def convert_linears(self, linears: dict[str, torch.nn.Module]) -> dict[str, Fp8Gemm]:
+        for name, lin in linears.items():
+            n, k = lin.weight.shape
+            if lin.gemm is not DENSE:
+                self.skipped[name] = f"keeps its {type(lin.gemm).__name__}"
+            elif lin.weight.is_cuda and (n % 16 or k % 16):
+                self.skipped[name] = f"[{n}, {k}] is not a multiple of 16 (torch._scaled_mm)"
+            else:
+                lin.gemm = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8)
+        self.refresh()
+        return self.gemms
+
+    def refresh(self) -> None:
+        """The fp8 copies from the current masters (after an optimizer step or a checkpoint load)."""
+        for g in self.gemms.values():
+            g.refresh()
+
+    def post_optimizer_step(self) -> None:
+        self.refresh()
+
+    def banner(self, device: torch.device) -> str:
+        kinds = sorted({n.rsplit(".", 2)[-2] for n in self.gemms})
+        how = (
+            "torch._scaled_mm"
+            if device.type == "cuda"
+            else "emulated on CPU (exact fp8 rounding and scales, fp32 products: for tests, not speed)"
+        )
+        grads = "e4m3 weights/activations, e5m2 gradients"
+        line = f"fp8: {self.recipe} scaling ({grads}) on {len(self.gemms)} GEMMs ({', '.join(kinds)}), {how}"
+        kept = sorted({why for why in self.skipped.values()})
+        if kept:
+            line += f"; {len(self.skipped)} linears unchanged ({'; '.join(kept)})"
+        return line + "; output layer and loss in bf16"
+
+
+def fp8_converter(cfg, model: torch.nn.Module, device: torch.device) -> Fp8Converter | None:
+    """The converter for ``train.fp8`` (None when off), applied to ``model``, with its one-line banner on rank 0."""
+    if cfg.train.fp8 == "off":
+        return None
+    conv = Fp8Converter(cfg.train.fp8)
+    conv.convert(model)
+    _log0(conv.banner(device))
+    return conv
