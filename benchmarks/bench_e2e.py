@@ -100,6 +100,9 @@ EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense st
     "dense/eager": ["train.cuda_graphs=false"],
     "collider/eager": _COLLIDER + ["train.cuda_graphs=false"],
     "loss_mask": ["filter.mode=loss_mask", "filter.keep_ratio=0.6", "filter.scorer=loss"],
+    "dense/recompute-selective": ["model.recompute=selective"],  # activation recompute (decision 0012)
+    "dense/recompute-full": ["model.recompute=full"],
+    "collider/recompute-full": _COLLIDER + ["model.recompute=full"],
 }
 ALL_MODES = {**MODES, **EXTRA_MODES}
 ANCHOR = "mcore-sdpa"

@@ -195,7 +195,7 @@ def shard_backward(
     softcap: float | None = None,
     filter_eps: float | None = None,
     perm: Tensor | None = None,
-    accum_fp32: bool = False,
+    accum_fp32: bool = True,
     backend: str | None = None,
     dc_out: Tensor | None = None,
     scratch: int | None = None,

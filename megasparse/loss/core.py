@@ -30,7 +30,8 @@ class LossOptions:
     z_loss: float = 0.0
     filter_eps: float | None = 2.0**-12
     sort_vocab: bool = False
-    accum_fp32: bool = False
+    accum_fp32: bool = True
+    """dE accumulated in fp32 and rounded once (``loss.grad_accum_fp32``, decision 0207)."""
     scratch_bytes: int | None = None
     """Bound on the exact backward's chunk buffer (``loss.cce_scratch_mb``); None: the kernels' own."""
     ignore_index: int = -100

@@ -18,6 +18,7 @@ from megasparse.loss import vocab_parallel_loss
 from megasparse.loss.config import LossConfig
 from megasparse.loss.pipeline import slice_range, vocab_pp_loss
 from megasparse.model.config import ModelConfig
+from megasparse.ops import recompute
 from megasparse.ops.attention import attention, rope_tables
 from megasparse.ops.compact import KeepHolder
 from megasparse.ops.rowwise import rms_norm, swiglu
@@ -50,6 +51,7 @@ class Attention(nn.Module):
         tp = state.layout().tp
         d = cfg.head_dim
         self.nq, self.nkv = cfg.num_attention_heads // tp, cfg.kv_heads // tp
+        self.recompute = cfg.recompute == "selective"  # rotated q/k rebuilt in the backward (decision 0012)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype)
         parts = [cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d]
@@ -61,7 +63,7 @@ class Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.proj(attention(self.qkv(x), self.nq, self.nkv, cos, sin))
+        return self.proj(attention(self.qkv(x), self.nq, self.nkv, cos, sin, self.recompute))
 
 
 class SwiGLUMLP(nn.Module):
@@ -76,9 +78,15 @@ class SwiGLUMLP(nn.Module):
             cfg.hidden_size, [f, f], name=f"layers.{layer}.mlp.fc1", init_std=cfg.init_std, **kw
         )
         self.fc2 = RowParallelLinear(f, cfg.hidden_size, name=f"layers.{layer}.mlp.fc2", init_std=out_std, **kw)
+        self.recompute = cfg.recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(swiglu(self.fc1(x)))
+        h = self.fc1(x)
+        a = swiglu(h)
+        if not self.recompute:
+            return self.fc2(a)
+        with recompute.recomputed_when_saved(a, swiglu, h):  # fc2 keeps fc1's output, not the SwiGLU's (0012)
+            return self.fc2(a)
 
 
 class TransformerBlock(nn.Module):
@@ -89,8 +97,14 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(cfg, layer, seed, device, sp, dtype)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sp)
         self.mlp = SwiGLUMLP(cfg, layer, seed, device, sp, dtype)
+        self.full_recompute = cfg.recompute == "full"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.full_recompute:  # only x is kept; the layer runs again in the backward (decision 0012)
+            return recompute.full(self._forward, x, cos, sin)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 

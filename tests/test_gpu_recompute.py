@@ -1,0 +1,31 @@
+"""GPU: activation recompute (``model.recompute``, decision 0012) inside a captured step equals the eager step, and
+equals no recompute, dense and with Collider's compact backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gpu_cudagraph import _losses, one_rank  # noqa: F401 (the fixture)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("mode", ["dense", "collider"])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_captured_recompute_equals_eager(one_rank, mode: str, recompute: str) -> None:  # noqa: F811
+    from megasparse.ops.compact import densify_count
+
+    ov = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"] if mode == "collider" else []
+    base_l, base_g, _ = _losses(ov + ["train.cuda_graphs=false"])
+    before = densify_count()
+    eager_l, eager_g, used = _losses(ov + ["train.cuda_graphs=false", f"model.recompute={recompute}"])
+    assert not used
+    graph_l, graph_g, used = _losses(ov + ["train.cuda_graphs=true", f"model.recompute={recompute}"])
+    assert used, "the step with recompute was not captured"
+    assert densify_count() == before
+    assert eager_l[0] == pytest.approx(base_l[0], rel=1e-6), "recompute changed the forward"
+    for a, b in zip(eager_l + eager_g, base_l + base_g):  # attention's backward may add in any order: not bitwise
+        assert a == pytest.approx(b, rel=2e-3), ("recompute changed the eager step", eager_l, base_l, eager_g, base_g)
+    assert graph_l[0] == pytest.approx(eager_l[0], rel=1e-6)
+    for a, b in zip(graph_l + graph_g, eager_l + eager_g):
+        assert a == pytest.approx(b, rel=2e-3), (graph_l, eager_l, graph_g, eager_g)
