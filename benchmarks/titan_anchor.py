@@ -62,15 +62,10 @@ def titan_flops_per_token(m: ModelConfig) -> float:
 
 
 def missing_modules() -> list[str]:
-    """Which of the modules torchtitan imports at module level without needing them here are absent (a stub
-    already installed counts as present)."""
-
-    def present(name: str) -> bool:
-        return name in sys.modules or importlib.util.find_spec(name) is not None
-
-    return [
-        n for n, probe in (("datasets", "datasets"), ("torch.utils.tensorboard", "tensorboard")) if not present(probe)
-    ]
+    """Which of the modules torchtitan imports at module level without needing them here cannot be imported (a
+    module already in ``sys.modules``, a stub included, counts as present)."""
+    probes = {"datasets": "datasets", "torch.utils.tensorboard": "tensorboard"}  # module -> what it needs installed
+    return [n for n, need in probes.items() if n not in sys.modules and importlib.util.find_spec(need) is None]
 
 
 def install_import_stubs() -> list[str]:
