@@ -2,9 +2,10 @@
 
 Cases ``torchtitan-bf16`` and ``torchtitan-fp8`` (``CASES``): torchtitan's Llama-3 model built with the config's
 shapes, per-block ``torch.compile`` (and the compiled loss), AdamW (fused), grad clip, no activation checkpointing
-(megasparse recomputes nothing either); fp8 is torchao's tensorwise float8 through torchtitan's own
-``quantize.linear.float8`` converter with the output layer excluded and, under FSDP, float8 parameter all-gathers
-with the scale precomputed after the optimizer step (torchtitan's recommended tensorwise setting). Layout: FSDP over
+(megasparse recomputes nothing by default; bench_e2e's ``--titan-ac`` sets it); fp8 is torchao's tensorwise float8
+through torchtitan's own ``quantize.linear.float8`` converter with the output layer excluded and, under FSDP,
+float8 parameter all-gathers with the scale precomputed after the optimizer step (torchtitan's recommended
+tensorwise setting). Layout: FSDP over
 every rank (torchtitan's default, ``data_parallel_shard_degree=-1``) with bf16 parameters and fp32 reduction; on one
 GPU no FSDP, and torchtitan wraps the step in ``torch.autocast(bf16)`` over fp32 parameters. TP without FSDP is not
 offered: 0.2.2 turns mixed precision off there (fp32 compute).
@@ -158,8 +159,14 @@ def register_spec(tt, args) -> None:
     tt.spec_mod._extra_train_specs[SPEC_NAME] = spec  # replaced per case: register_train_spec refuses a second one
 
 
-def job_config(tt, cfg: Config, fp8: bool, dump_folder: str):
-    """torchtitan's JobConfig for one case, set field by field (no tyro, no TOML)."""
+AC_MODES = ("none", "selective", "full")
+
+
+def job_config(tt, cfg: Config, fp8: bool, dump_folder: str, ac: str = "none"):
+    """torchtitan's JobConfig for one case, set field by field (no tyro, no TOML). ``ac``: its activation
+    checkpointing (none by default, as megasparse's; torchtitan's own default is selective)."""
+    if ac not in AC_MODES:
+        raise ValueError(f"titan_anchor: activation checkpointing {ac!r}: use one of {AC_MODES}")
     jc = tt.JobConfig()
     m, o, t = cfg.model, cfg.optim, cfg.train
     jc.job.dump_folder = dump_folder
@@ -187,7 +194,7 @@ def job_config(tt, cfg: Config, fp8: bool, dump_folder: str):
     jc.parallelism.data_parallel_shard_degree = -1  # FSDP over every rank
     jc.parallelism.tensor_parallel_degree = 1
     jc.parallelism.pipeline_parallel_degree = 1
-    jc.activation_checkpoint.mode = "none"
+    jc.activation_checkpoint.mode = ac
     jc.compile.enable = True
     jc.compile.components = ["model", "loss"]
     jc.checkpoint.enable = False
@@ -223,7 +230,7 @@ def optimizer_state_gib(optimizers) -> float:
 class TitanCase:
     """One torchtitan Trainer built for a case; ``step()`` runs its own ``train_step`` once, synchronised."""
 
-    def __init__(self, cfg: Config, fp8: bool, dump_folder: str):
+    def __init__(self, cfg: Config, fp8: bool, dump_folder: str, ac: str = "none"):
         if not torch.cuda.is_available():
             raise RuntimeError("titan_anchor: torchtitan's Trainer needs CUDA")
         if cfg.model.vocab_size is None:
@@ -234,9 +241,14 @@ class TitanCase:
         args = model_args(tt, cfg.model)
         register_spec(tt, args)
         torch._dynamo.reset()  # no compiled graph (nor its shapes marked dynamic) carries over from another case
-        self.trainer = tt.Trainer(job_config(tt, cfg, fp8, dump_folder))
+        self.trainer = None
+        try:
+            self.trainer = tt.Trainer(job_config(tt, cfg, fp8, dump_folder, ac))
+            self.check_shapes(cfg.model)
+        except BaseException:
+            self.close()
+            raise
         tr = self.trainer
-        self.check_shapes(cfg.model)
         self.flops_per_token = float(tr.metrics_processor.num_flops_per_token)
         self.fsdp = tr.parallel_dims.fsdp_enabled
         self.grad_accum = tr.gradient_accumulation_steps
@@ -288,11 +300,12 @@ class TitanCase:
         return [float(x) for x in per_step.tolist()]
 
     def close(self) -> None:
-        """Drop the trainer and what it holds; torchtitan turned automatic GC off (``GarbageCollection``)."""
-        tr = self.trainer
-        self.trainer = None
+        """Drop the trainer and what it holds; torchtitan turned automatic GC off (``GarbageCollection``), also when
+        its constructor failed half-way."""
+        tr, self.trainer = self.trainer, None
         try:
-            tr.close()
+            if tr is not None:
+                tr.close()
         finally:
             del tr
             gc.enable()
@@ -301,9 +314,12 @@ class TitanCase:
             torch.cuda.empty_cache()
 
 
-def run_case(cfg: Config, name: str, warmup: int, steps: int, after=None, dump_folder: str | None = None) -> dict:
+def run_case(
+    cfg: Config, name: str, warmup: int, steps: int, after=None, ac: str = "none", dump_folder: str | None = None
+) -> dict:
     """bench_trainer.run_case's result for a torchtitan case, plus ``warmup_s`` (build and compile included),
-    ``titan_flops_per_token`` (torchtitan's own count) and the layout it ran."""
+    ``titan_flops_per_token`` (torchtitan's own count) and the layout it ran. ``warmup`` is at least 2: the first
+    step compiles."""
     import bench_trainer as bt
 
     bt._free()
@@ -312,7 +328,7 @@ def run_case(cfg: Config, name: str, warmup: int, steps: int, after=None, dump_f
     folder = dump_folder or os.path.join(os.environ.get("TMPDIR", "/tmp"), "titan_anchor")
     Path(folder).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    case = TitanCase(cfg, CASES[name], folder)
+    case = TitanCase(cfg, CASES[name], folder, ac)
     try:
         warm_ms = [1e3 * case.step()[1] for _ in range(max(2, warmup))]
         warmup_s = time.perf_counter() - t0
@@ -326,6 +342,7 @@ def run_case(cfg: Config, name: str, warmup: int, steps: int, after=None, dump_f
             "titan_flops_per_token": case.flops_per_token,
             "titan_layout": f"FSDP over {case.trainer.parallel_dims.dp_shard}" if case.fsdp else "1 GPU, autocast",
             "titan_grad_accum": case.grad_accum,
+            "titan_ac": ac,
             "titan_version": case.version,
             "titan_stubbed": case.stubbed,
         }
