@@ -333,26 +333,50 @@ def case_row(cfg, name: str, r: dict, vocab_padded: int, world: int, dev: torch.
     return case
 
 
+def merge_reports(old: dict, new: dict) -> dict:
+    """``new`` with ``old``'s rows of other (mode, micro-batch) pairs kept (same device: the caller checks)."""
+    rep = dict(new)
+    mine = {(c["mode"], c["micro_batch_size"]) for c in new["cases"]}
+    kept = [c for c in old["cases"] if (c["mode"], c["micro_batch_size"]) not in mine]
+    rep["cases"] = sorted(kept + new["cases"], key=lambda c: c["micro_batch_size"])
+    rep["drift"] = {**old.get("drift", {}), **new.get("drift", {})}
+    rep["loss_auto"] = list(dict.fromkeys(old.get("loss_auto", []) + new.get("loss_auto", [])))
+    rep["calls"] = list(dict.fromkeys(old.get("calls", [old.get("call")]) + [new.get("call")]))
+    return rep
+
+
 def write_report(out: Path, report: dict, old: dict | None, pending: list[dict], partial: bool) -> None:
     """Rank 0 writes the JSON: this call's rows (plus ``pending``, the current micro-batch's so far), merged into
     ``old`` (``--append``: same device, rows of this call replace equal (mode, micro-batch) rows), with the ratios
     against torchtitan and the table. Written after every case (``partial``) and at the end."""
     now = [{k: v for k, v in c.items() if k != "again"} for c in pending if not c.get("again")]
-    rep = {**report, "cases": report["cases"] + now}
-    rep["partial"] = partial
+    rep = {**report, "cases": report["cases"] + now, "partial": partial}
     if old is not None and old.get("device") == rep["device"]:
-        mine = {(c["mode"], c["micro_batch_size"]) for c in rep["cases"]}
-        kept = [c for c in old["cases"] if (c["mode"], c["micro_batch_size"]) not in mine]
-        rep["cases"] = sorted(kept + rep["cases"], key=lambda c: c["micro_batch_size"])
-        rep["drift"] = {**old.get("drift", {}), **rep["drift"]}
-        rep["loss_auto"] = list(dict.fromkeys(old.get("loss_auto", []) + rep.get("loss_auto", [])))
+        rep = merge_reports(old, rep)
     titan_ratios(rep["cases"])
     rep["table"] = format_table(rep)
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rep, indent=1))
         if not partial:
             print(rep["table"], flush=True)
+
+
+def merge_files(paths: list[str], out_dir: str) -> int:
+    """``--merge``: JSONs of one layout and device from several calls (later files' rows win) into one, with the
+    ratios against torchtitan recomputed across them (``titan_other_call`` flags those)."""
+    reps = [json.loads(Path(x).read_text()) for x in paths]
+    keys = {(r["layout"], r["device"]) for r in reps}
+    if len(keys) != 1:
+        print(f"bench_e2e: --merge needs one layout on one device, got {sorted(keys)}", file=sys.stderr)
+        return 2
+    merged = reps[0]
+    for r in reps[1:]:
+        merged = merge_reports(merged, r)
+    out = Path(out_dir) / f"e2e_{merged['layout']}.json"
+    write_report(out, {**merged, "cases": merged["cases"]}, None, [], partial=False)
+    print(out)
+    return 0
 
 
 def titan_ratios(cases: list[dict]) -> None:
@@ -491,6 +515,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpu-warmup-s", type=float, default=45.0, help="GEMMs before the first case, to settle clocks")
     p.add_argument("--no-repeat", dest="repeat", action="store_false", help="skip re-timing anchor and dense last")
     p.add_argument("--plot", default=None, help="only plot this JSON to docs/img/e2e_<layout>.png")
+    p.add_argument("--merge", nargs="+", default=None, help="only merge these JSONs (one layout, several calls)")
     return p.parse_args(argv)
 
 
@@ -499,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot:
         print(plot(a.plot))
         return 0
+    if a.merge:
+        return merge_files(a.merge, a.out_dir)
     if a.layout is None:
         print(f"bench_e2e: name a layout: {list(LAYOUTS)}", file=sys.stderr)
         return 2

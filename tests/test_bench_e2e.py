@@ -272,19 +272,34 @@ def test_cpu_smoke_reports_skipped_anchors_and_unavailable_modes(tmp_path) -> No
     assert fp8_ok or ("ConfigError" in rows["fp8"]["error"] and r["rc"] == 1)
 
 
-def test_titan_ratios_cross_calls_flagged() -> None:
-    """Rows are compared with torchtitan's at the same micro-batch; a torchtitan row of another call is flagged."""
+def test_merged_calls_get_ratios_against_torchtitan(tmp_path) -> None:
+    """Two calls' JSONs (anchors, then megasparse modes) merge into one; rows are compared with torchtitan's at the
+    same micro-batch, flagged when that row came from the other call; a later call's row replaces an equal one."""
+    import json
+
     import bench_e2e as be
 
-    cases = [{"mode": "torchtitan-bf16", "micro_batch_size": 1, "step_ms": 200.0, "call": "a"},
-             {"mode": "torchtitan-fp8", "micro_batch_size": 1, "step_ms": 160.0, "call": "a"},
-             {"mode": "dense", "micro_batch_size": 1, "step_ms": 180.0, "call": "b"},
-             {"mode": "dense", "micro_batch_size": 2, "step_ms": 170.0, "call": "b"},
-             {"mode": "fp8", "micro_batch_size": 1, "error": "ConfigError: ..."}]  # fmt: skip
-    be.titan_ratios(cases)
-    assert cases[2]["ratio_vs_titan_bf16"] == pytest.approx(0.9) and cases[2]["ratio_vs_titan_fp8"] == 1.125
-    assert cases[2]["titan_other_call"] and "titan_other_call" not in cases[0]
-    assert "ratio_vs_titan_bf16" not in cases[3] and "ratio_vs_titan_fp8" not in cases[4]
+    def row(mode, mb, ms, call):
+        return {"mode": mode, "micro_batch_size": mb, "step_ms": ms, "mem_gib": 1.0, "host_syncs_per_step": 1,
+                "call": call}  # fmt: skip
+
+    first = [row("torchtitan-bf16", 1, 200.0, "a"), row("torchtitan-fp8", 1, 160.0, "a"), row("dense", 1, 190.0, "a")]
+    second = [row("dense", 1, 180.0, "b"), row("dense", 2, 170.0, "b"),
+              {"mode": "fp8", "micro_batch_size": 1, "error": "ConfigError: ..."}]  # fmt: skip
+    paths = []
+    for call, cases in (("a", first), ("b", second)):
+        rep = {"device": "4x H100", "layout": "4gpu_8b32l", "shape": "8B", "call": call, "cases": cases}
+        paths.append(tmp_path / f"{call}.json")
+        paths[-1].write_text(json.dumps(rep))
+    assert be.main(["--merge", *map(str, paths), "--out-dir", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / "e2e_4gpu_8b32l.json").read_text())
+    rows = {(c["mode"], c["micro_batch_size"]): c for c in merged["cases"]}
+    dense = rows[("dense", 1)]
+    assert dense["step_ms"] == 180.0 and merged["calls"] == ["a", "b"] and len(merged["cases"]) == 5
+    assert dense["ratio_vs_titan_bf16"] == pytest.approx(0.9) and dense["ratio_vs_titan_fp8"] == 1.125
+    assert dense["titan_other_call"] and "titan_other_call" not in rows[("torchtitan-fp8", 1)]
+    assert "ratio_vs_titan_bf16" not in rows[("dense", 2)] and "ratio_vs_titan_fp8" not in rows[("fp8", 1)]
+    assert "vs tt-fp8" in merged["table"] and "1.125" in merged["table"]
 
 
 def test_titan_stubs_stand_in_and_refuse(monkeypatch) -> None:
