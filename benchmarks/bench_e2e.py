@@ -430,7 +430,7 @@ def settle_ratios(mb_cases: list[dict]) -> dict:
     for c in mb_cases:
         c["anchor_step_ms"] = anchor_ms
         c["ratio_vs_anchor"] = c["step_ms"] / anchor_ms if anchor_ms else None
-        c["ratio_vs_dense"] = c["step_ms"] / dense_ms if dense_ms and c["mode"] != ANCHOR else None
+        c["ratio_vs_dense"] = c["step_ms"] / dense_ms if dense_ms and c["mode"] not in ANCHORS else None
     drift = {"anchor_runs_ms": anchor_runs, "dense_runs_ms": dense_runs}
     for name, runs in (("anchor", anchor_runs), ("dense", dense_runs)):
         if len(runs) > 1:
