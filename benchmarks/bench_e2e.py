@@ -224,7 +224,8 @@ def parse_anchors(a: argparse.Namespace) -> list[str] | None:
 def time_case(name: str, cfg, a: argparse.Namespace) -> dict:
     """One case's timed run: a torchtitan anchor, megatron-core's, or megasparse in a mode."""
     if name in titan_anchor.CASES:
-        return titan_anchor.run_case(cfg, name, a.warmup, a.steps, after=count_host_syncs, ac=a.titan_ac)
+        fp8_ag = a.titan_fp8_allgather == "on"
+        return titan_anchor.run_case(cfg, name, a.warmup, a.steps, count_host_syncs, a.titan_ac, fp8_ag)
     return run_mode(cfg, ANCHOR if name == ANCHOR else "megasparse", bt.warmup_steps(cfg, a.warmup), a.steps)
 
 
@@ -508,6 +509,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     anchors_help = f"subset of {ANCHORS} (default: all on {TITAN_LAYOUTS}, {ANCHOR} elsewhere; '' for none)"
     p.add_argument("--anchors", default=None, help=anchors_help)
     p.add_argument("--titan-ac", default="none", choices=titan_anchor.AC_MODES, help="torchtitan's recompute")
+    p.add_argument("--titan-fp8-allgather", default="on", choices=("on", "off"), help="torchtitan-fp8's FSDP gathers")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))

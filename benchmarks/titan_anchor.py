@@ -162,9 +162,10 @@ def register_spec(tt, args) -> None:
 AC_MODES = ("none", "selective", "full")
 
 
-def job_config(tt, cfg: Config, fp8: bool, dump_folder: str, ac: str = "none"):
+def job_config(tt, cfg: Config, fp8: bool, dump_folder: str, ac: str = "none", fp8_allgather: bool = True):
     """torchtitan's JobConfig for one case, set field by field (no tyro, no TOML). ``ac``: its activation
-    checkpointing (none by default, as megasparse's; torchtitan's own default is selective)."""
+    checkpointing (none by default, as megasparse's; torchtitan's own default is selective). ``fp8_allgather``:
+    under FSDP, float8 parameter all-gathers with precomputed scales (torchtitan's advice for tensorwise)."""
     if ac not in AC_MODES:
         raise ValueError(f"titan_anchor: activation checkpointing {ac!r}: use one of {AC_MODES}")
     jc = tt.JobConfig()
@@ -177,8 +178,8 @@ def job_config(tt, cfg: Config, fp8: bool, dump_folder: str, ac: str = "none"):
     jc.model.converters = ["quantize.linear.float8"] if fp8 else []
     f8 = jc.quantize.linear.float8
     f8.recipe_name = None  # tensorwise; a recipe name would forbid the float8 all-gather below
-    f8.enable_fsdp_float8_all_gather = fp8  # the converter keeps it off without FSDP (one GPU)
-    f8.precompute_float8_dynamic_scale_for_fsdp = fp8
+    f8.enable_fsdp_float8_all_gather = fp8 and fp8_allgather  # the converter keeps it off without FSDP (one GPU)
+    f8.precompute_float8_dynamic_scale_for_fsdp = fp8 and fp8_allgather
     f8.filter_fqns = ["output"]
     jc.optimizer.lr, jc.optimizer.eps, jc.optimizer.weight_decay = o.lr, 1e-8, o.weight_decay
     jc.optimizer.beta1, jc.optimizer.beta2 = o.beta1, o.beta2
@@ -230,7 +231,7 @@ def optimizer_state_gib(optimizers) -> float:
 class TitanCase:
     """One torchtitan Trainer built for a case; ``step()`` runs its own ``train_step`` once, synchronised."""
 
-    def __init__(self, cfg: Config, fp8: bool, dump_folder: str, ac: str = "none"):
+    def __init__(self, cfg: Config, fp8: bool, dump_folder: str, ac: str = "none", fp8_allgather: bool = True):
         if not torch.cuda.is_available():
             raise RuntimeError("titan_anchor: torchtitan's Trainer needs CUDA")
         if cfg.model.vocab_size is None:
@@ -243,7 +244,7 @@ class TitanCase:
         torch._dynamo.reset()  # no compiled graph (nor its shapes marked dynamic) carries over from another case
         self.trainer = None
         try:
-            self.trainer = tt.Trainer(job_config(tt, cfg, fp8, dump_folder, ac))
+            self.trainer = tt.Trainer(job_config(tt, cfg, fp8, dump_folder, ac, fp8_allgather))
             self.check_shapes(cfg.model)
         except BaseException:
             self.close()
@@ -315,7 +316,14 @@ class TitanCase:
 
 
 def run_case(
-    cfg: Config, name: str, warmup: int, steps: int, after=None, ac: str = "none", dump_folder: str | None = None
+    cfg: Config,
+    name: str,
+    warmup: int,
+    steps: int,
+    after=None,
+    ac: str = "none",
+    fp8_allgather: bool = True,
+    dump_folder: str | None = None,
 ) -> dict:
     """bench_trainer.run_case's result for a torchtitan case, plus ``warmup_s`` (build and compile included),
     ``titan_flops_per_token`` (torchtitan's own count) and the layout it ran. ``warmup`` is at least 2: the first
@@ -328,7 +336,7 @@ def run_case(
     folder = dump_folder or os.path.join(os.environ.get("TMPDIR", "/tmp"), "titan_anchor")
     Path(folder).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    case = TitanCase(cfg, CASES[name], folder, ac)
+    case = TitanCase(cfg, CASES[name], folder, ac, fp8_allgather)
     try:
         warm_ms = [1e3 * case.step()[1] for _ in range(max(2, warmup))]
         warmup_s = time.perf_counter() - t0
@@ -343,6 +351,7 @@ def run_case(
             "titan_layout": f"FSDP over {case.trainer.parallel_dims.dp_shard}" if case.fsdp else "1 GPU, autocast",
             "titan_grad_accum": case.grad_accum,
             "titan_ac": ac,
+            "titan_fp8_allgather": CASES[name] and fp8_allgather and case.fsdp,
             "titan_version": case.version,
             "titan_stubbed": case.stubbed,
         }

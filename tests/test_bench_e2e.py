@@ -351,5 +351,7 @@ def test_titan_builds_the_configs_model() -> None:
     n, flops = args.get_nparams_and_flops(model, jc.training.seq_len)
     assert (n, flops) == (ta.titan_param_count(cfg.model)[0], ta.titan_flops_per_token(cfg.model))
     assert jc.compile.enable and jc.parallelism.data_parallel_shard_degree == -1
-    assert jc.model.converters == ["quantize.linear.float8"] and jc.quantize.linear.float8.filter_fqns == ["output"]
+    f8 = jc.quantize.linear.float8
+    assert jc.model.converters == ["quantize.linear.float8"] and f8.filter_fqns == ["output"] and f8.recipe_name is None
+    assert f8.enable_fsdp_float8_all_gather and f8.precompute_float8_dynamic_scale_for_fsdp
     assert (jc.training.local_batch_size, jc.training.global_batch_size, jc.training.seq_len) == (1, 32, 4096)
