@@ -133,3 +133,14 @@ def test_long_files_say_why():
 def test_train_is_a_composer():
     n = len((PKG / "train.py").read_text(encoding="utf-8").splitlines())
     assert n <= TRAIN_MAX_LINES, f"megasparse/train.py has {n} lines (at most {TRAIN_MAX_LINES})"
+
+
+def test_torchtitan_stays_in_the_benchmarks():
+    """torchtitan is a benchmark anchor (the [bench] extra, decision 0504): the package never imports it."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            mods += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{name} imports {m}" for m in mods if m.split(".")[0] == "torchtitan"]
+    assert found == []
