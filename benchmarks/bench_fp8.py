@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -281,9 +282,10 @@ def main() -> int:
     checks(dev)
     gemm_table(dev, tokens, tps, args.keep)
     if not args.quick:
-        torchao_table(dev, tokens, tps)
+        torchao_table(dev, tokens[:1], tps)  # the first token count: each compiled module costs a compile
         sparse_fp8_table(dev, tokens, tps)
-    gpu = RESULTS["device"].split()[-1].lower().replace("/", "_")
+    names = re.findall(r"\b[A-Z]\d{2,3}\b", RESULTS["device"])  # "NVIDIA H100 80GB HBM3" -> h100
+    gpu = names[0].lower() if names else "gpu"
     data = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "data")
     out = args.out or os.path.join(data, f"bench_fp8_{gpu}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
