@@ -8,7 +8,8 @@ of the activation / gradient; the weight-gradient's transposed casts and the add
 the same run: bf16 GEMMs as the layers run them (the weight gradient with ``accumulate_mm`` into fp32), and
 megasparse fp8 with the weight gradient left in bf16 (``wgrad_fp8=False``). torchao (if importable): its
 ``Float8Linear`` (tensorwise / rowwise recipes), forward + backward of the module, eager and ``torch.compile``d,
-against a bf16 ``nn.Linear`` timed the same way (full rows only: it has no compact backward). Optional: fp8 2:4
+against a bf16 ``nn.Linear`` timed the same way (full rows and the first token count only: it has no compact
+backward, and each compiled module costs a compile). Optional: fp8 2:4
 through cuSPARSELt (e4m3, ``torch._cslt_sparse_mm``) for the FFN forward, where this torch allows it.
 
     python benchmarks/bench_fp8.py [--out FILE.json] [--tokens 4096 8192] [--tp 1 2] [--quick]
