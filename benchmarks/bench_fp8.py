@@ -8,7 +8,8 @@ of the activation / gradient; the weight-gradient's transposed casts and the add
 the same run: bf16 GEMMs as the layers run them (the weight gradient with ``accumulate_mm`` into fp32), and
 megasparse fp8 with the weight gradient left in bf16 (``wgrad_fp8=False``). torchao (if importable): its
 ``Float8Linear`` (tensorwise / rowwise recipes), forward + backward of the module, eager and ``torch.compile``d,
-against a bf16 ``nn.Linear`` timed the same way (full rows only: it has no compact backward). Optional: fp8 2:4
+against a bf16 ``nn.Linear`` timed the same way (full rows and the first token count only: it has no compact
+backward, and each compiled module costs a compile). Optional: fp8 2:4
 through cuSPARSELt (e4m3, ``torch._cslt_sparse_mm``) for the FFN forward, where this torch allows it.
 
     python benchmarks/bench_fp8.py [--out FILE.json] [--tokens 4096 8192] [--tp 1 2] [--quick]
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -281,9 +283,10 @@ def main() -> int:
     checks(dev)
     gemm_table(dev, tokens, tps, args.keep)
     if not args.quick:
-        torchao_table(dev, tokens, tps)
+        torchao_table(dev, tokens[:1], tps)  # the first token count: each compiled module costs a compile
         sparse_fp8_table(dev, tokens, tps)
-    gpu = RESULTS["device"].split()[-1].lower().replace("/", "_")
+    names = re.findall(r"\b[A-Z]\d{2,3}\b", RESULTS["device"])  # "NVIDIA H100 80GB HBM3" -> h100
+    gpu = names[0].lower() if names else "gpu"
     data = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "data")
     out = args.out or os.path.join(data, f"bench_fp8_{gpu}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -267,3 +267,27 @@ def test_config_rejects_unknown_fp8_mode() -> None:
 
     with pytest.raises(ConfigError, match="train.fp8"):
         load_config(None, ["train.fp8=e4m3"])
+
+
+def _with_sparsity() -> dict:
+    from megasparse.config import load_config
+    from megasparse.train import Trainer
+
+    ov = tiny(train__steps=2, model__num_layers=2) + ["train.fp8=tensorwise", "sparsity.enabled=true"]
+    tr = Trainer(load_config(None, ov))
+    losses = [tr.train_step().loss for _ in range(2)]
+    return {
+        "losses": losses,
+        "fp8": sorted(tr.fp8.gemms),
+        "kept": dict(tr.fp8.skipped),
+        "banner": tr.fp8.banner(tr.device),
+    }
+
+
+def test_fp8_with_2to4_keeps_the_sparse_ffn_gemms() -> None:
+    """With 2:4 on, fc1/fc2 keep their 2:4 GEMM (decision 1000), qkv/proj run fp8, and the banner says so."""
+    r = run_distributed(_with_sparsity, 1)[0]
+    assert all(torch.isfinite(torch.tensor(r["losses"])))
+    assert r["fp8"] and all(n.endswith(("attn.qkv.weight", "attn.proj.weight")) for n in r["fp8"])
+    assert len(r["kept"]) == 4 and all("Sparse24Gemm" in why for why in r["kept"].values())
+    assert "4 linears unchanged (keeps its Sparse24Gemm)" in r["banner"]

@@ -75,10 +75,12 @@ class Fp8Gemm:
         """Quantise the current weight into the fp8 copies, in place (a captured step keeps reading the same
         buffers). The converter calls this after every optimizer step and checkpoint load."""
         w = self.param.detach()
-        if self.recipe == "tensorwise":  # one scale: Wᵀ is W's values transposed
-            q, s = quantize(w, E4M3, "tensor")
-            qt = q.t().contiguous()
+        if self.recipe == "tensorwise" and use_triton(w):  # one scale: W and Wᵀ from one read
+            q, qt, s = quantize_triton(w, E4M3, "tensor", transpose=True)
             st = s
+        elif self.recipe == "tensorwise":
+            q, s = quantize(w, E4M3, "tensor")
+            qt, st = q.t().contiguous(), s
         else:
             q, s = quantize(w, E4M3, "row")
             qt, st = quantize(w, E4M3, "col", transpose=True)
