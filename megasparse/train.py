@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
+from megasparse import runguard
 from megasparse.config import Config, ConfigError, dump_config, load_config
 from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
 from megasparse.data.dataset import build_data, iterate_batches
 from megasparse.filtering.component import TokenFilter
-from megasparse.guard import NonFiniteGuard
+from megasparse.guard import DivergedError, NonFiniteGuard
 from megasparse.loss import pipeline as vocab_pp
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_tflops, step_record
 from megasparse.model.builder import (
@@ -44,6 +45,7 @@ from megasparse.model.builder import (
 from megasparse.ops.compact import KeepHolder
 from megasparse.parallel import comm, state
 from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, forward_only, lockstep, one_f_one_b
+from megasparse.preempt import EXIT_PREEMPTED, Preempted, signalled
 from megasparse.sparse24.converter import Sparse24Converter
 
 __all__ = ["InferenceModel", "StepResult", "Trainer", "build_data", "load_model_for_inference", "main", "run_training"]
@@ -74,7 +76,8 @@ class Trainer:
         self.dp = cfg.validate(world)
         self.train_ds, self.valid_ds, self.vocab = build_data(cfg)
         if init_groups:
-            state.init(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel, cfg.dist_backend())
+            p = cfg.parallel
+            state.init(p.tp, p.pp, p.sequence_parallel, cfg.dist_backend(), p.timeout_minutes * 60)
         self.lay = state.layout()
         self.device = resolve_device(cfg)
         self.compute_dtype = resolve_dtype(cfg, self.device)
@@ -238,11 +241,14 @@ class Trainer:
     def save(self) -> Path | None:
         with self.dp_opt.checkpoint_view() as opt:  # the plain AdamW structure, gathered over DP when sharded
             return ckpt.save(
-                self.out_dir / "checkpoints", self.step, self.model, opt, self._extra(), self.cfg.checkpoint.keep_last
-            )
+                self.out_dir / "checkpoints", self.step, self.model, opt, self._extra(), self.cfg.checkpoint.keep_last,
+                run=runguard.run_record(self.cfg),
+            )  # fmt: skip
 
-    def resume(self, path: str) -> None:
+    def resume(self, path: str, guard: runguard.RunGuard | None = None) -> None:
         where = ckpt.resolve_resume(path)
+        if guard is not None:
+            guard.check_resume(where, ckpt.saved_step(where))
         with self.dp_opt.checkpoint_view(load=True) as opt:
             extra = ckpt.load(where, self.model, opt, self._extra())
         self.step, self.consumed = int(extra["step"]), int(extra["consumed"])
@@ -252,11 +258,19 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
+        guard = runguard.RunGuard(self.cfg, self.device, log0)  # lock, start checks, signals (issue 32)
+        try:
+            return self._fit(guard)
+        finally:
+            guard.close()
+
+    def _fit(self, guard: runguard.RunGuard) -> list[dict]:
         cfg = self.cfg
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         resume = ckpt.resume_target(cfg.checkpoint.resume, self.out_dir, log0)  # reliability: resume=auto
+        guard.start(self.model, resume)
         if resume:
-            self.resume(resume)
+            self.resume(resume, guard)
         if rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out_dir / "config.yaml")
@@ -278,6 +292,7 @@ class Trainer:
         )
         history = []
         while self.step < cfg.train.steps:
+            guard.step(self.step)
             r = self.train_step()
             tok_s = r.tokens * self.dp / r.seconds / n_world  # global tokens over all GPUs, per GPU
             rec = step_record(self.step, r.loss, r.grad_norm, r.lr, tok_s, self.flops_tok, self.peak, self.device)
@@ -289,9 +304,13 @@ class Trainer:
             if self.step % cfg.logging.log_interval == 0 or self.step == cfg.train.steps:
                 log0(format_line(rec))
             si = cfg.checkpoint.save_interval
-            if (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end):
-                where = self.save()
+            saved = (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end)
+            if saved:
+                with guard.saving(self.step):
+                    where = self.save()
                 log0(f"saved checkpoint {where}" if where else f"step {self.step}: non-finite state, not saved")
+            if self.step < cfg.train.steps:
+                guard.boundary(self.step, bool(saved), self.save)  # a signal: save, stop (exit 75)
         self.dp_opt.wait_params()
         log.close()
         return history
@@ -323,14 +342,24 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg_path, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = None
     try:
         cfg = load_config(cfg_path, overrides)
         trainer = Trainer(cfg)
         trainer.fit()
+    except Preempted as e:  # saved on a signal: one line, exit 75 (docs/reliability.md)
+        if state.world_env()[0] == 0:
+            print(f"megasparse: {e.line}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     except ConfigError as e:  # one line, once (rank 0), exit 2 without a traceback for torchrun to bury it under
+        if runguard.in_loop() and not isinstance(e, DivergedError):  # this rank's alone (a broken sidecar)
+            return runguard.report_failure(e, None, signalled(), status=2)
         if state.world_env()[0] == 0:
             print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:  # noqa: BLE001 - a failed or timed-out rank: one line naming it, the real error last
+        timeout_s = cfg.parallel.timeout_minutes * 60 if cfg is not None else None
+        return runguard.report_failure(e, timeout_s, signalled())
     finally:
         if dist.is_initialized():
             state.destroy()
