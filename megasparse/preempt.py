@@ -108,3 +108,25 @@ class Preemption:
             return signal.Signals(signum).name
         except ValueError:
             return f"signal {signum}"
+
+
+_current: Preemption | None = None
+
+
+def install(extra: str | None, device: torch.device | None = None) -> Preemption:
+    """The process's handlers, installed once: main() calls this right after reading the config, so a signal that
+    arrives while the model and data are built is kept, not fatal; the trainer's call adopts them."""
+    global _current
+    if _current is None:
+        _current = Preemption(extra, device or torch.device("cpu")).install()
+    elif device is not None:
+        _current.device = device
+    return _current
+
+
+def uninstall() -> None:
+    """Restore the previous handlers (end of a run)."""
+    global _current
+    if _current is not None:
+        _current.restore()
+        _current = None

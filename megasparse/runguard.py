@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megasparse import rundir
+from megasparse import preempt, rundir
 from megasparse.configbase import ConfigError, to_dict
 from megasparse.parallel import comm, state
-from megasparse.preempt import EXIT_PREEMPTED, Preempted, Preemption
+from megasparse.preempt import EXIT_PREEMPTED, Preempted
 
 _doing = "starting"
 
@@ -118,7 +118,7 @@ class RunGuard:
         self.log = log
         self.out_dir = Path(cfg.logging.out_dir)
         self.lock = rundir.RunLock(self.out_dir)
-        self.preempt = Preemption(cfg.checkpoint.signal, device)
+        self.preempt = preempt.install(cfg.checkpoint.signal, device)
 
     # -- start --------------------------------------------------------------------------------------------
     def start(self, model: torch.nn.Module, resume: str | None) -> None:
@@ -143,7 +143,12 @@ class RunGuard:
         if _rank0():
             for line in warnings(cfg):
                 print(f"megasparse: warning: {line}", file=sys.stderr, flush=True)
-        self.preempt.install()
+        sig = self.preempt.agreed()
+        if sig is not None:  # a signal while the model and data were built: nothing new to save
+            raise Preempted(
+                f"stopped by {self.preempt.name(sig)} before the first step of this run: nothing new to save; "
+                f"relaunch with checkpoint.resume=auto to continue (exit status {EXIT_PREEMPTED})"
+            )
 
     def check_resume(self, where: Path, step: int) -> None:
         """One line listing what changed since ``where`` was saved (refused unless checkpoint.accept_changes);
@@ -199,7 +204,7 @@ class RunGuard:
         )
 
     def close(self) -> None:
-        self.preempt.restore()
+        preempt.uninstall()
         self.lock.release()
 
 
@@ -217,6 +222,7 @@ def warnings(cfg) -> list[str]:
 
 
 # -- failures -----------------------------------------------------------------------------------------------
+PEER_GRACE_S = 10.0
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused", "peer", "socket closed")
 _TIMEOUT = ("timed out", "timeout", "watchdog")
 
@@ -247,26 +253,22 @@ def failure_line(e: BaseException, rank: int, timeout_s: float | None = None) ->
 
 
 def report_failure(e: BaseException, timeout_s: float | None, received_signal: bool, status: int = 1) -> int:
-    """Print an unexpected failure so that the real error comes last; returns the exit status (1).
+    """Print an unexpected failure so that the real error comes last; returns the exit status.
 
-    The rank with its own error first tears its process groups down, so the peers blocked on it fail at once
-    and print their "lost a peer" lines; it then prints its traceback and its one line. Peers that lost a rank
-    wait a little before exiting so the launcher (torchrun) sees the failed rank exit first and names it as the
-    root cause; they exit at once when a signal already asks them to stop.
+    The rank with its own error prints its traceback (a bug) and its line at once. A rank that only lost its peer
+    (gloo's "Connection closed by peer") waits ``PEER_GRACE_S`` before printing: under torchrun the agent stops it
+    in that time, so the failed rank's error stays the last line and torchrun's "Root Cause" names that rank. A
+    peer that already got a stop signal (the launcher is tearing the job down: the failed rank has exited and
+    printed) prints nothing; a timed-out rank prints at once.
     """
     rank = state.world_env()[0]
     kind = "own" if isinstance(e, ConfigError) else classify(e)
     line = f"megasparse: error: {failure_line(e, rank, timeout_s)}"
-    if kind == "own":
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()  # wakes the peers waiting on this rank
-            time.sleep(1.0)
-        if not isinstance(e, ConfigError):  # a bug: the traceback, then the line
-            traceback.print_exception(e, file=sys.stderr)
-        print(line, file=sys.stderr, flush=True)
-        return status
+    if kind == "own" and not isinstance(e, ConfigError):  # a bug: the traceback, then the line
+        traceback.print_exception(e, file=sys.stderr)
+    if kind == "peer":
+        if received_signal:  # the launcher is stopping the job after the failed rank exited: that rank spoke
+            return status
+        time.sleep(PEER_GRACE_S)
     print(line, file=sys.stderr, flush=True)
-    if not received_signal:
-        time.sleep(3.0)
     return status

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
-from megasparse import runguard
+from megasparse import preempt, runguard
 from megasparse.config import Config, ConfigError, dump_config, load_config
 from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
@@ -45,7 +45,6 @@ from megasparse.model.builder import (
 from megasparse.ops.compact import KeepHolder
 from megasparse.parallel import comm, state
 from megasparse.parallel.pipeline import P2PSpec, StageComm, catch_grad, forward_only, lockstep, one_f_one_b
-from megasparse.preempt import EXIT_PREEMPTED, Preempted, signalled
 from megasparse.sparse24.converter import Sparse24Converter
 
 __all__ = ["InferenceModel", "StepResult", "Trainer", "build_data", "load_model_for_inference", "main", "run_training"]
@@ -345,22 +344,24 @@ def main(argv: list[str] | None = None) -> int:
     cfg = None
     try:
         cfg = load_config(cfg_path, overrides)
+        preempt.install(cfg.checkpoint.signal)  # from here a stop signal is kept for the step boundary
         trainer = Trainer(cfg)
         trainer.fit()
-    except Preempted as e:  # saved on a signal: one line, exit 75 (docs/reliability.md)
+    except preempt.Preempted as e:  # saved on a signal: one line, exit 75 (docs/reliability.md)
         if state.world_env()[0] == 0:
             print(f"megasparse: {e.line}", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+        return preempt.EXIT_PREEMPTED
     except ConfigError as e:  # one line, once (rank 0), exit 2 without a traceback for torchrun to bury it under
         if runguard.in_loop() and not isinstance(e, DivergedError):  # this rank's alone (a broken sidecar)
-            return runguard.report_failure(e, None, signalled(), status=2)
+            return runguard.report_failure(e, None, preempt.signalled(), status=2)
         if state.world_env()[0] == 0:
             print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:  # noqa: BLE001 - a failed or timed-out rank: one line naming it, the real error last
         timeout_s = cfg.parallel.timeout_minutes * 60 if cfg is not None else None
-        return runguard.report_failure(e, timeout_s, signalled())
+        return runguard.report_failure(e, timeout_s, preempt.signalled())
     finally:
+        preempt.uninstall()
         if dist.is_initialized():
             state.destroy()
     return 0
