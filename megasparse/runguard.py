@@ -272,3 +272,35 @@ def report_failure(e: BaseException, timeout_s: float | None, received_signal: b
         time.sleep(PEER_GRACE_S)
     print(line, file=sys.stderr, flush=True)
     return status
+
+
+def run_main(load, train) -> int:
+    """``megasparse train``'s exit status around ``train(load())``: 0; 75 with one line after a signal-triggered save;
+    2 with one ConfigError line, printed once by rank 0 without a traceback for torchrun to bury it under (or by
+    the one rank that raised it inside the loop, e.g. a broken sidecar); 1 for a failed or timed-out rank, named
+    in one line with the real error last (``report_failure``)."""
+    from megasparse.guard import DivergedError
+
+    cfg = None
+    try:
+        cfg = load()
+        preempt.install(cfg.checkpoint.signal)  # from here a stop signal is kept for the step boundary
+        train(cfg)
+    except Preempted as e:
+        if state.world_env()[0] == 0:
+            print(f"megasparse: {e.line}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    except ConfigError as e:
+        if in_loop() and not isinstance(e, DivergedError):  # this rank's alone; divergence is every rank's
+            return report_failure(e, None, preempt.signalled(), status=2)
+        if state.world_env()[0] == 0:
+            print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a failed or timed-out rank: one line naming it, the real error last
+        timeout_s = cfg.parallel.timeout_minutes * 60 if cfg is not None else None
+        return report_failure(e, timeout_s, preempt.signalled())
+    finally:
+        preempt.uninstall()
+        if dist.is_initialized():
+            state.destroy()
+    return 0

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
-from megasparse import preempt, runguard
-from megasparse.config import Config, ConfigError, dump_config, load_config
+from megasparse import runguard
+from megasparse.config import Config, dump_config, load_config
 from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
 from megasparse.data.dataset import build_data, iterate_batches
 from megasparse.filtering.component import TokenFilter
-from megasparse.guard import DivergedError, NonFiniteGuard
+from megasparse.guard import NonFiniteGuard
 from megasparse.loss import pipeline as vocab_pp
 from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_tflops, step_record
 from megasparse.model.builder import (
@@ -341,30 +341,8 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg_path, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = None
-    try:
-        cfg = load_config(cfg_path, overrides)
-        preempt.install(cfg.checkpoint.signal)  # from here a stop signal is kept for the step boundary
-        trainer = Trainer(cfg)
-        trainer.fit()
-    except preempt.Preempted as e:  # saved on a signal: one line, exit 75 (docs/reliability.md)
-        if state.world_env()[0] == 0:
-            print(f"megasparse: {e.line}", file=sys.stderr, flush=True)
-        return preempt.EXIT_PREEMPTED
-    except ConfigError as e:  # one line, once (rank 0), exit 2 without a traceback for torchrun to bury it under
-        if runguard.in_loop() and not isinstance(e, DivergedError):  # this rank's alone (a broken sidecar)
-            return runguard.report_failure(e, None, preempt.signalled(), status=2)
-        if state.world_env()[0] == 0:
-            print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Exception as e:  # noqa: BLE001 - a failed or timed-out rank: one line naming it, the real error last
-        timeout_s = cfg.parallel.timeout_minutes * 60 if cfg is not None else None
-        return runguard.report_failure(e, timeout_s, preempt.signalled())
-    finally:
-        preempt.uninstall()
-        if dist.is_initialized():
-            state.destroy()
-    return 0
+    # exit 0, 75 (stopped by a signal after saving), 2 (one ConfigError line), 1 (a failed rank, named)
+    return runguard.run_main(lambda: load_config(cfg_path, overrides), lambda cfg: Trainer(cfg).fit())
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from distributed import run_distributed
-from test_reliability import _DIST_ENV, TINY, run_cli, strict_lines
+from test_reliability import _DIST_ENV, TINY, strict_lines
 from test_restart import workers
 
 from megasparse.config import ConfigError, load_config
@@ -55,9 +55,8 @@ def last_line(text: str) -> str:
 def finished(tmp_path_factory) -> Path:
     """A finished 2-step run with step-1 and step-2 checkpoints (copied by each test that needs one)."""
     out = tmp_path_factory.mktemp("finished")
-    r = run_cli("train", *TINY, "train.steps=2", "checkpoint.save_interval=1", "checkpoint.keep_last=3",
-                f"logging.out_dir={out}")  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
+    args = [*TINY, "train.steps=2", "checkpoint.save_interval=1", "checkpoint.keep_last=3", f"logging.out_dir={out}"]
+    assert run_distributed(_main, 1, args)[0] == 0  # in this process: no interpreter start-up
     assert not (out / "megasparse.lock").exists(), "the lock outlived its run"
     return out
 
