@@ -70,6 +70,7 @@ class Preemption:
         self.received: int | None = None
         self.saving = False
         self._old: dict[int, object] = {}
+        self._flag: torch.Tensor | None = None
 
     def install(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():  # signal.signal works only there
@@ -96,7 +97,9 @@ class Preemption:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local or None
         dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([float(local)], device=dev)
+        if self._flag is None or self._flag.device != dev:  # one buffer for the run: no allocation per step
+            self._flag = torch.zeros(1, device=dev)
+        flag = self._flag.fill_(float(local))
         with comm.phase("checkpoint"):
             comm.all_reduce(flag, None, "world", op=dist.ReduceOp.MAX, region="preempt.flag")
         got = int(flag.item())

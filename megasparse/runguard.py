@@ -269,6 +269,7 @@ def report_failure(e: BaseException, timeout_s: float | None, received_signal: b
     if kind == "peer":
         if received_signal:  # the launcher is stopping the job after the failed rank exited: that rank spoke
             return status
+        preempt.uninstall()  # the launcher's SIGTERM during the wait ends this process, as it should
         time.sleep(PEER_GRACE_S)
     print(line, file=sys.stderr, flush=True)
     return status
