@@ -119,8 +119,9 @@ _current: Preemption | None = None
 def install(extra: str | None, device: torch.device | None = None) -> Preemption:
     """The process's handlers, installed once: main() calls this right after reading the config, so a signal that
     arrives while the model and data are built is kept, not fatal; the trainer's call adopts them."""
-    global _current
+    global _current, _signalled
     if _current is None:
+        _signalled = False
         _current = Preemption(extra, device or torch.device("cpu")).install()
     elif device is not None:
         _current.device = device

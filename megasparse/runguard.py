@@ -152,7 +152,8 @@ class RunGuard:
 
     def check_resume(self, where: Path, step: int) -> None:
         """One line listing what changed since ``where`` was saved (refused unless checkpoint.accept_changes);
-        one line when train.steps leaves nothing to run."""
+        one line when train.steps leaves nothing to run: an error for an explicit checkpoint.resume, a note (exit 0)
+        under resume=auto, where it is a requeue or restart of a run that already finished."""
         f = Path(where) / "layout.json"
         saved = json.loads(f.read_text()).get("run") if f.exists() else None
         if saved is not None:
@@ -164,7 +165,10 @@ class RunGuard:
                 )
             if diffs:
                 self.log(f"checkpoint.accept_changes=true: continuing {Path(where).name} with {'; '.join(diffs)}")
-        if step >= self.cfg.train.steps:
+        if step >= self.cfg.train.steps and self.cfg.checkpoint.resume == "auto":  # a relaunch of a finished run
+            self.log(f"checkpoint.resume=auto: {where} is already at step {step} >= train.steps={self.cfg.train.steps}:"
+                     " nothing to run; raise train.steps to continue this run")  # fmt: skip
+        elif step >= self.cfg.train.steps:
             raise ConfigError(
                 f"train.steps={self.cfg.train.steps} but {where} is already at step {step}: nothing to run; "
                 f"raise train.steps above {step} to continue this run"

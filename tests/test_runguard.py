@@ -288,10 +288,13 @@ def test_collective_timeout_names_rank_and_step(tmp_path):
     assert r0["s"] < 10, r0  # the data-parallel (megatron-core) group's timeout, not its 30-minute default
 
 
-def test_config_timeout_reaches_every_group():
-    check = load_config(None, TINY + ["parallel.timeout_minutes=0"])
+def test_new_keys_are_checked_before_any_group():
     with pytest.raises(ConfigError, match="parallel.timeout_minutes=0.0 must be > 0"):
-        check.validate(1)
+        load_config(None, TINY + ["parallel.timeout_minutes=0"]).validate(1)
+    with pytest.raises(ConfigError, match="checkpoint.signal=SIGKILL is not a signal this process can catch"):
+        load_config(None, TINY + ["checkpoint.signal=SIGKILL"]).validate(1)
+    for ok in ("USR2", "SIGUSR1", "none", "12"):
+        load_config(None, TINY + [f"checkpoint.signal={ok}"]).validate(1)
 
 
 # ----------------------------------------------------------------------------------- no silent acceptance
@@ -324,9 +327,13 @@ def _resume_cases(out: str) -> dict:
     from megasparse.train import Trainer
 
     said = {}
-    for name, extra in {"done": ["train.steps=2"], "accepted": ["optim.lr=1e-3", "checkpoint.accept_changes=true",
-                                                                "train.steps=3"]}.items():  # fmt: skip
-        cfg = load_config(None, TINY + extra + ["checkpoint.resume=auto", f"logging.out_dir={out}"])
+    cases = {
+        "done": ["train.steps=2", f"checkpoint.resume={out}"],
+        "done_auto": ["train.steps=2", "checkpoint.resume=auto"],
+        "accepted": ["optim.lr=1e-3", "checkpoint.accept_changes=true", "train.steps=3", "checkpoint.resume=auto"],
+    }
+    for name, extra in cases.items():
+        cfg = load_config(None, TINY + extra + [f"logging.out_dir={out}"])
         try:
             said[name] = len(Trainer(cfg, init_groups=name == "done").fit())
         except ConfigError as e:
@@ -339,8 +346,11 @@ def test_resume_step_and_accepted_changes(finished, tmp_path, capsys):
     before = snapshot(out / "checkpoints")
     r = run_distributed(_resume_cases, 1, str(out))[0]
     assert r["done"].startswith("train.steps=2 but ") and "is already at step 2: nothing to run" in r["done"], r
+    assert r["done_auto"] == 0  # a requeue of a finished run: a note, nothing run, exit 0
     assert r["accepted"] == 1  # one more step after the announced change
-    assert "checkpoint.accept_changes=true: continuing step-2 with optim.lr 0.003 -> 0.001" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "step-2 is already at step 2 >= train.steps=2: nothing to run; raise train.steps" in said
+    assert "checkpoint.accept_changes=true: continuing step-2 with optim.lr 0.003 -> 0.001" in said
     assert all(snapshot(out / "checkpoints").get(k) == v for k, v in before.items() if k.startswith("step-2/"))
 
 
