@@ -388,6 +388,40 @@ def test_suspicious_settings_warn_in_one_line():
     ]
 
 
+FAILING_RANK = """import os, sys
+from megasparse import train
+if os.environ["RANK"] == "1":
+    real = train.Trainer.train_step
+    def broken(self):
+        if self.step == 2:
+            raise ValueError("rank 1's own bug")
+        return real(self)
+    train.Trainer.train_step = broken
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_failed_rank_under_torchrun_is_named_last(tmp_path):
+    """Rank 1 raises at step 3: its line is the last megasparse line and torchrun's Root Cause names rank 1 (rank 0,
+    which only lost its peer, stays quiet)."""
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--monitor-interval=0.2", str(script), *TINY, "train.steps=6", f"logging.out_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, env=env, timeout=180,
+    )  # fmt: skip
+    log = r.stdout + r.stderr
+    assert r.returncode == 1, log[-3000:]
+    ours = [ln for ln in log.splitlines() if ln.startswith("megasparse: error:")]
+    assert ours[-1] == "megasparse: error: rank 1 failed while training step 3: ValueError: rank 1's own bug", ours
+    root = log.split("Root Cause")[1]
+    assert "rank      : 1 (local_rank: 1)" in root and "exitcode  : 1" in root, root
+
+
 def test_failure_lines_name_rank_and_activity(capsys):
     """main()'s report: a rank's own error last with its traceback; a rank that only lost its peer stays silent once
     the launcher's stop signal came (the failed rank has spoken); a timeout names the limit."""
