@@ -241,6 +241,28 @@ def test_disk_full_mid_save_names_the_os_error(finished, tmp_path):
     assert snapshot(out / "checkpoints") == before  # step-1, step-2 and order.txt as they were, no .tmp-step-3
 
 
+def test_disk_full_on_a_small_tmpfs_names_enospc(tmp_path, capsys):
+    """A real full filesystem: a 400 KiB tmpfs holds one checkpoint of this model (~270 KB), not two."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        out = mnt / "run"
+        rc, line = train_here(capsys, "train.steps=4", "checkpoint.save_interval=1", f"logging.out_dir={out}")
+        assert rc == 2, line
+        tmp = out / "checkpoints" / ".tmp-step-2"
+        assert line == (f"megasparse: error: cannot write the checkpoint {tmp}: No space left on device (ENOSPC); "
+                        "the previous checkpoint is untouched")  # fmt: skip
+        from megasparse import checkpoint as ckpt
+
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["order.txt", "step-1"]
+        ckpt.verify_checksums(out / "checkpoints" / "step-1")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)  # lazy: the metrics file may be open
+
+
 def test_storage_checked_at_start(tmp_path):
     from megasparse import rundir
 
