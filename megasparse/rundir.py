@@ -44,8 +44,10 @@ def os_error_line(path: str | os.PathLike, e: OSError, doing: str) -> str:
 
 
 def job_id() -> str:
-    """This job across requeues and torchrun restarts ('' outside a scheduler)."""
-    return os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+    """This job across requeues and torchrun restarts ('' outside a scheduler). torchrun's run id is only an id when
+    it was given: its default is the literal "none", shared by every job launched without ``--rdzv-id``."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return os.environ.get("SLURM_JOB_ID") or ("" if run == "none" else run)
 
 
 def _alive(pid: int) -> bool:

@@ -172,7 +172,7 @@ def test_lock_refuses_a_second_run(tmp_path, capsys):
     assert f"pid {os.getpid()}" in line and snapshot(tmp_path) == before
 
 
-def test_stale_locks_are_taken_over(tmp_path):
+def test_stale_locks_are_taken_over(tmp_path, monkeypatch):
     from megasparse import rundir
 
     dead = subprocess.Popen(["true"])
@@ -183,24 +183,21 @@ def test_stale_locks_are_taken_over(tmp_path):
         "old heartbeat": ({"host": "elsewhere", "pid": 1, "job": ""}, rundir.STALE_S + 60, True),
         "alive elsewhere": ({"host": "elsewhere", "pid": 1, "job": ""}, 0, False),
     }
-    os.environ["SLURM_JOB_ID"] = "4242"
-    try:
-        for name, (held, age, stale) in cases.items():
-            lk = rundir.RunLock(tmp_path)
-            lk.path.write_text(json.dumps(held))
-            os.utime(lk.path, (time.time() - age, time.time() - age))
-            said = []
-            if stale:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    for name, (held, age, stale) in cases.items():
+        lk = rundir.RunLock(tmp_path)
+        lk.path.write_text(json.dumps(held))
+        os.utime(lk.path, (time.time() - age, time.time() - age))
+        said = []
+        if stale:
+            lk.acquire(said.append)
+            assert lk.held and "taking over the stale lock" in said[0], name
+            assert json.loads(lk.path.read_text())["pid"] == os.getpid()
+            lk.release()
+            assert not lk.path.exists()
+        else:
+            with pytest.raises(ConfigError, match="is in use by another run"):
                 lk.acquire(said.append)
-                assert lk.held and "taking over the stale lock" in said[0], name
-                assert json.loads(lk.path.read_text())["pid"] == os.getpid()
-                lk.release()
-                assert not lk.path.exists()
-            else:
-                with pytest.raises(ConfigError, match="is in use by another run"):
-                    lk.acquire(said.append)
-    finally:
-        os.environ.pop("SLURM_JOB_ID")
 
 
 def test_fresh_run_into_a_used_dir_refuses_or_moves_aside(finished, tmp_path, capsys):
