@@ -289,6 +289,7 @@ def _timeout_case(out: str) -> dict:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     state.init(1, 1, False, "gloo", timeout_s=2)
     tr = Trainer(load_config(None, TINY + [f"logging.out_dir={out}"]), init_groups=False)
+    dist.barrier()  # the default group (120 s): both ranks built, so rank 0 waits the full sleep below
     if dist.get_rank() == 1:
         time.sleep(5)  # hung, as far as rank 0 can tell
     runguard.doing("training step 1")
