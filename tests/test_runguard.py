@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from distributed import run_distributed
 from test_reliability import _DIST_ENV, TINY, strict_lines
 from test_restart import workers
@@ -105,8 +106,20 @@ def test_sigterm_saves_then_resume_continues(tmp_path, capsys):
 @pytest.mark.slow
 def test_signal_to_one_rank_under_torchrun_saves_on_all(tmp_path):
     """SIGUSR1 (checkpoint.signal) reaches only rank 1: the ranks agree at the step boundary and both save."""
+    _signal_one_rank(tmp_path, TINY)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_signal_to_one_rank_nccl_saves_on_all(tmp_path):
+    """The same on 2 GPUs over NCCL: the flag all-reduce runs on the device (bf16, CUDA graphs on)."""
+    gpu = [o for o in TINY if not o.startswith(("train.device", "train.dtype", "parallel.backend"))]
+    _signal_one_rank(tmp_path, gpu + ["train.device=cuda", "train.dtype=bf16", "parallel.backend=nccl"])
+
+
+def _signal_one_rank(tmp_path: Path, overrides: list[str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--monitor-interval=0.2", "-m", "megasparse", "train", *TINY, "train.steps=100000",
+           "--monitor-interval=0.2", "-m", "megasparse", "train", *overrides, "train.steps=100000",
            "checkpoint.signal=SIGUSR1", f"logging.out_dir={tmp_path}"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
@@ -319,8 +332,6 @@ def test_new_keys_are_checked_before_any_group():
 
 # ----------------------------------------------------------------------------------- no silent acceptance
 def test_nan_sidecar_is_one_line(tmp_path):
-    import torch
-
     from megasparse.filtering.sidecar import SidecarError, gather_ref_losses
 
     f = tmp_path / "ref.bin"
