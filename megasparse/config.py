@@ -85,6 +85,12 @@ class CheckpointConfig:
     """Directory to resume from: a run's out_dir (latest step) or one step-N directory; ``auto``: the latest
     valid checkpoint of logging.out_dir, else a fresh start (one command for the first launch and restarts)."""
     keep_last: int = 2
+    signal: str | None = "SIGUSR1"
+    """A signal that, like SIGTERM and SIGINT, saves a checkpoint at the next step boundary and stops (exit 75):
+    what Slurm's ``--signal`` sends before the time limit (launch/slurm/train.sbatch); none: only TERM/INT."""
+    accept_changes: bool = False
+    """Resume even when the data order or optimisation settings differ from the checkpoint's (data.*, filter.*,
+    optim.*, model.seq_length, train.global_batch_size, train.seed); off: such a resume is refused in one line."""
 
 
 @dataclass
@@ -97,6 +103,9 @@ class LoggingConfig:
     """Also write the metrics with TensorBoard's SummaryWriter (<out_dir>/tensorboard; needs the package)."""
     wandb_project: str | None = None
     """Also log the metrics to this Weights & Biases project (needs the wandb package)."""
+    previous_run: Literal["refuse", "move_aside"] = "refuse"
+    """A fresh run (no checkpoint.resume) into an out_dir holding another run's checkpoints or metrics: refuse
+    (one line), or move them into ``<out_dir>/previous-<time>/`` (nothing is deleted)."""
 
 
 @dataclass
@@ -212,6 +221,9 @@ class Config:
         if t.device == "cpu" and self.parallel.backend == "nccl":
             raise ConfigError("parallel.backend=nccl cannot carry train.device=cpu tensors; use gloo or auto")
         writable_dir(lg.out_dir, "logging.out_dir")
+        from megasparse.preempt import signal_number
+
+        signal_number(self.checkpoint.signal)
 
     def dist_backend(self) -> str:
         """``parallel.backend`` with auto resolved for this run: gloo whenever ``train.device=cpu`` (NCCL cannot carry
@@ -252,8 +264,16 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file '{path}' does not exist; see configs/ for examples")
+        if p.is_dir():
+            raise ConfigError(f"config file '{path}' is a directory; give a YAML file (see configs/)")
         try:
-            data = yaml.safe_load(p.read_text())
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}); give a YAML file") from e
+        except OSError as e:
+            raise ConfigError(f"config file '{path}' cannot be read: {e.strerror or e}") from e
+        try:
+            data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
         if data is None:  # an empty file is almost always a mistake (wrong path, truncated copy)

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
+from megasparse import runguard
 from megasparse.banner import RunFacts, format_banner
-from megasparse.config import Config, ConfigError, dump_config, load_config
+from megasparse.config import Config, dump_config, load_config
 from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
 from megasparse.data.dataset import build_data, iterate_batches
@@ -69,7 +70,8 @@ class Trainer:
         self.dp = cfg.validate(world)
         self.train_ds, self.valid_ds, self.vocab = build_data(cfg)
         if init_groups:
-            state.init(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel, cfg.dist_backend())
+            p = cfg.parallel
+            state.init(p.tp, p.pp, p.sequence_parallel, cfg.dist_backend(), p.timeout_minutes * 60)
         self.lay = state.layout()
         self.device = resolve_device(cfg)
         self.compute_dtype = resolve_dtype(cfg, self.device)
@@ -236,11 +238,14 @@ class Trainer:
     def save(self) -> Path | None:
         with self.dp_opt.checkpoint_view() as opt:  # the plain AdamW structure, gathered over DP when sharded
             return ckpt.save(
-                self.out_dir / "checkpoints", self.step, self.model, opt, self._extra(), self.cfg.checkpoint.keep_last
-            )
+                self.out_dir / "checkpoints", self.step, self.model, opt, self._extra(), self.cfg.checkpoint.keep_last,
+                run=runguard.run_record(self.cfg),
+            )  # fmt: skip
 
-    def resume(self, path: str) -> None:
+    def resume(self, path: str, guard: runguard.RunGuard | None = None) -> None:
         where = ckpt.resolve_resume(path)
+        if guard is not None:
+            guard.check_resume(where, ckpt.saved_step(where))
         with self.dp_opt.checkpoint_view(load=True) as opt:
             extra = ckpt.load(where, self.model, opt, self._extra())
         self.step, self.consumed = int(extra["step"]), int(extra["consumed"])
@@ -250,11 +255,19 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
+        guard = runguard.RunGuard(self.cfg, self.device, log0)  # lock, start checks, signals (issue 32)
+        try:
+            return self._fit(guard)
+        finally:
+            guard.close()
+
+    def _fit(self, guard: runguard.RunGuard) -> list[dict]:
         cfg = self.cfg
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         resume = ckpt.resume_target(cfg.checkpoint.resume, self.out_dir, log0)  # reliability: resume=auto
+        guard.start(self.model, resume)
         if resume:
-            self.resume(resume)
+            self.resume(resume, guard)
         if rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out_dir / "config.yaml")
@@ -277,6 +290,7 @@ class Trainer:
         kept_share = None if kept is None else kept / (cfg.model.seq_length * cfg.train.micro_batch_size)
         history = []
         while self.step < cfg.train.steps:
+            guard.step(self.step)
             r = self.train_step()
             tok_s = r.tokens * self.dp / r.seconds / n_world  # global tokens over all GPUs, per GPU
             rec = step_record(self.step, r.loss, r.grad_norm, r.lr, tok_s, self.flops_tok, self.peak, self.device)
@@ -289,9 +303,13 @@ class Trainer:
             if self.step % cfg.logging.log_interval == 0 or self.step == cfg.train.steps:
                 log0(format_line(rec))
             si = cfg.checkpoint.save_interval
-            if (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end):
-                where = self.save()
+            saved = (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end)
+            if saved:
+                with guard.saving(self.step):
+                    where = self.save()
                 log0(f"saved checkpoint {where}" if where else f"step {self.step}: non-finite state, not saved")
+            if self.step < cfg.train.steps:
+                guard.boundary(self.step, bool(saved), self.save)  # a signal: save, stop (exit 75)
         self.dp_opt.wait_params()
         log.close()
         return history
@@ -323,18 +341,8 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg_path, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        cfg = load_config(cfg_path, overrides)
-        trainer = Trainer(cfg)
-        trainer.fit()
-    except ConfigError as e:  # one line, once (rank 0), exit 2 without a traceback for torchrun to bury it under
-        if state.world_env()[0] == 0:
-            print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_initialized():
-            state.destroy()
-    return 0
+    # exit 0, 75 (stopped by a signal after saving), 2 (one ConfigError line), 1 (a failed rank, named)
+    return runguard.run_main(lambda: load_config(cfg_path, overrides), lambda cfg: Trainer(cfg).fit())
 
 
 if __name__ == "__main__":

@@ -73,14 +73,16 @@ def main(argv: list[str]) -> int:
         )
         return 2
 
-    def run(overrides: list[str]) -> float:
+    def run(overrides: list[str], tag: str) -> float:
         # The short search runs stay sparse to the end: dense fine-tuning would blank their last refreshes.
         fixed = [f"train.steps={steps}", "sparsity.enabled=true", "sparsity.dense_finetune_fraction=0"]
-        cfg = load_config(args.config, [*args.overrides, *fixed, *overrides])
+        # one out_dir per search run (one run per directory); a rerun moves the last search's files aside
+        own = [f"logging.out_dir={Path(base.logging.out_dir) / tag}", "logging.previous_run=move_aside"]
+        cfg = load_config(args.config, [*args.overrides, *fixed, *overrides, *own])
         return flip_rate_at_end(run_training(cfg)["flip_rates"], args.window)
 
-    dense = run(["sparsity.monitor_only=true"])
-    ratios = {lam: run([f"sparsity.decay={lam}"]) / max(dense, 1e-12) for lam in decays}
+    dense = run(["sparsity.monitor_only=true"], "dense")
+    ratios = {lam: run([f"sparsity.decay={lam}"], f"decay-{lam:g}") / max(dense, 1e-12) for lam in decays}
     best = choose_decay(ratios)
     rows = [
         (lam, mu, "feasible" if MU_LOW <= mu <= MU_HIGH else ("explodes" if mu >= 1 else ""))
