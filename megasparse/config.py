@@ -80,6 +80,9 @@ class CheckpointConfig:
     """Directory to resume from: a run's out_dir (latest step) or one step-N directory; ``auto``: the latest
     valid checkpoint of logging.out_dir, else a fresh start (one command for the first launch and restarts)."""
     keep_last: int = 2
+    init_from: str | None = None
+    """Start at step 0 (fresh optimizer and data order) from these weights: a Hugging Face model directory
+    (Llama, Qwen2; see ``megasparse hf import``) or a megasparse checkpoint, at any tp/pp/dp layout."""
 
 
 @dataclass
@@ -148,6 +151,11 @@ class Config:
             raise ConfigError(
                 "loss.impl=mcore has a dense backward, so filter.mode=collider cannot compact it; "
                 "use loss.impl=cce or torch, or filter.mode=loss_mask"
+            )
+        if m.tie_embeddings and p.pp > 1:
+            raise ConfigError(
+                "model.tie_embeddings=true is supported at parallel.pp=1 only (the embedding group that sums the "
+                "two copies' gradients over the pipeline is not implemented yet); use parallel.pp=1 or untie"
             )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")

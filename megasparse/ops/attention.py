@@ -12,14 +12,36 @@ is undone at the tokens' original positions.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megasparse.ops.compact import CompactGrad
 from megasparse.ops.rope_kernels import rope_into
 
 
-def rope_tables(seq: int, dim: int, theta: float, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def llama3_inv_freq(inv: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
+    """Llama-3.1's RoPE scaling: wavelengths longer than original/low are divided by ``factor``, shorter than
+    original/high kept, and those between blended linearly in original/wavelength."""
+    wavelen = 2 * math.pi / inv
+    ratio = original / wavelen
+    smooth = ((ratio - low) / (high - low)).clamp(0.0, 1.0)  # 0 at the long end, 1 at the short end
+    return inv / factor * (1 - smooth) + inv * smooth
+
+
+def rope_tables(
+    seq: int,
+    dim: int,
+    theta: float,
+    device,
+    dtype=torch.float32,
+    scaling: tuple[float, float, float, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq, dim/2] of RoPE angles, computed in fp64; ``scaling``: Llama-3's (factor, low, high, original
+    positions), see ``llama3_inv_freq``."""
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
+    if scaling is not None:
+        inv = llama3_inv_freq(inv, *scaling)
     ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
@@ -110,7 +132,9 @@ def _rows_at(t: torch.Tensor, flat: torch.Tensor, b: int, m: int) -> torch.Tenso
 
 class AttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor):
+    def forward(ctx, qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor, bias=None):
+        if bias is not None:  # q/k/v biases (Qwen2): added before RoPE; their gradient is dqkv summed over tokens
+            qkv = qkv + bias
         s, b, _ = qkv.shape
         d = qkv.shape[-1] // (nq + 2 * nkv)
         heads = qkv.view(s, b, nq + 2 * nkv, d)
@@ -123,14 +147,17 @@ class AttentionFn(torch.autograd.Function):
         scale = d**-0.5
         out, lse, rng = _flash_fwd(q, k, v, scale)  # k, v keep GQA's nkv heads (saved so: 1/group the memory)
         ctx.save_for_backward(q, k, v, out, lse, cos, sin)
-        ctx.meta = (nq, nkv, d, scale, rng, qkv.shape)
+        ctx.meta = (nq, nkv, d, scale, rng, qkv.shape, bias is not None)
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
 
     @staticmethod
     def backward(ctx, g):
         q, k, v, out, lse, cos, sin = ctx.saved_tensors
-        nq, nkv, d, scale, rng, shape = ctx.meta
+        nq, nkv, d, scale, rng, shape, has_bias = ctx.meta
         s, b, _ = shape
+
+        def bias_grad(rows: torch.Tensor) -> torch.Tensor | None:
+            return rows.reshape(-1, shape[-1]).sum(0) if has_bias else None
 
         def finish(dq, dk, dv, pos):
             # dq [bb, nq, t, d], dk/dv [bb, nkv, t, d] -> rows [t, bb, (nq+2nkv)d] with RoPE undone at ``pos``.
@@ -145,7 +172,8 @@ class AttentionFn(torch.autograd.Function):
         if not isinstance(g, CompactGrad):
             go = g.view(s, b, nq, d).permute(1, 2, 0, 3)
             dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
-            return finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape), None, None, None, None
+            dqkv = finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape)
+            return dqkv, None, None, None, None, bias_grad(dqkv)
 
         # One batched kernel over the micro-batch: each sequence's kept positions, padded at the end to the
         # longest. Padded queries get a zero output gradient, so they add nothing to any real dq/dk/dv, and
@@ -169,12 +197,16 @@ class AttentionFn(torch.autograd.Function):
         lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)).contiguous()
         dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
         got = finish(dq, dk, dv, pos).reshape(-1, shape[-1])
+        db = bias_grad(got)  # padded queries' rows are zeros: they add nothing
         if in_order:
-            return CompactGrad(got, g.meta, shape), None, None, None, None
+            return CompactGrad(got, g.meta, shape), None, None, None, None, db
         rows = g.rows.new_empty(k_rows + padded, shape[-1])  # with padding, the last row takes (and drops) it
         rows.index_copy_(0, sel.t().reshape(-1), got)
-        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None
+        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None, db
 
 
-def attention(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return AttentionFn.apply(qkv, nq, nkv, cos, sin)
+def attention(
+    qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal GQA attention of this rank's [q | k | v] heads; ``bias`` ([(nq + 2·nkv)·d]) is added before RoPE."""
+    return AttentionFn.apply(qkv, nq, nkv, cos, sin, bias)
