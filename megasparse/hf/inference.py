@@ -79,7 +79,7 @@ def eval_main(argv: list[str]) -> int:
     p.add_argument("model", help="a run's out_dir, a step-N directory, an hf import's directory or an HF directory")
     p.add_argument("--data", required=True, help="indexed-dataset prefix (its validation split is read)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=2 data.valid_fraction=0.1")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     from megasparse.parallel import state
 
     try:
