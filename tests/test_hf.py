@@ -33,9 +33,13 @@ def dirs(tmp_path_factory) -> dict[str, str]:
     return save_models(tmp_path_factory.mktemp("hf"))
 
 
-def run_models(dirs: dict[str, str], parallel: dict[str, list[str]], train: str, out_dir: str) -> dict:
-    """Per model: this rank's logits slice of one validation micro-batch (last stage, dp rank 0); for ``train``: two
-    training steps' losses, the whole trained model and a checkpoint in ``out_dir``."""
+FILTERED = ["filter.mode=collider", "filter.scorer=loss", "filter.keep_ratio=0.5"]
+"""Qwen2 trains with the compact backward, which carries the q/k/v bias gradient through the attention."""
+
+
+def run_models(dirs: dict[str, str], parallel: dict[str, list[str]], out_dir: str) -> dict:
+    """Per model: this rank's logits slice of one validation micro-batch (last stage, dp rank 0); Llama and Qwen2
+    (filtered) also train two steps: losses, the whole trained model; Llama saves a checkpoint in ``out_dir``."""
     from megasparse.config import dump_config
     from megasparse.hf.inference import model_config
     from megasparse.parallel.consolidate import full_state_dict
@@ -44,6 +48,7 @@ def run_models(dirs: dict[str, str], parallel: dict[str, list[str]], train: str,
     res = {}
     for name, path in dirs.items():
         ov = [f"{k}={v}" for k, v in RUN.items()] + parallel.get(name, []) + [f"logging.out_dir={out_dir}"]
+        ov += FILTERED if name == "qwen2" else []
         cfg = model_config(path, ov)
         tr = Trainer(cfg)
         cap: dict = {}
@@ -56,9 +61,10 @@ def run_models(dirs: dict[str, str], parallel: dict[str, list[str]], train: str,
         if "h" in cap and tr.lay.dp_rank == 0:  # [s, b, h] @ this TP rank's vocabulary rows
             r["logits"] = (cap["h"] @ tr.model.output_weight.t()).transpose(0, 1)
             r["vocab_start"] = tr.model.vocab_start
-        if name == train:
+        if name in ("llama", "qwen2"):
             r["losses"] = [tr.train_step().loss for _ in range(2)]
             r["weights"] = full_state_dict(tr.model)
+        if name == "llama":
             tr.save()
             if torch.distributed.get_rank() == 0:
                 dump_config(cfg, Path(out_dir) / "config.yaml")
@@ -81,18 +87,29 @@ def test_imported_logits_and_training_match_transformers_at_tp1_and_tp2_pp2(dirs
     from megasparse.hf.checkpoints import export_hf
 
     layouts = {n: ["parallel.tp=2"] + ([] if n in TIED else ["parallel.pp=2"]) for n in dirs}
-    one = run_distributed(run_models, 1, dirs, {}, "llama", str(tmp_path / "one"))
-    four = run_distributed(run_models, 4, dirs, layouts, "llama", str(tmp_path / "four"))
+    one = run_distributed(run_models, 1, dirs, {}, str(tmp_path / "one"))
+    four = run_distributed(run_models, 4, dirs, layouts, str(tmp_path / "four"))
     for name, path in dirs.items():
         for ranks in (one, four):
             ids, got = whole_logits(ranks, name)
             ref = hf_logits(path, ids)
             assert rel(got[..., : ref.shape[-1]], ref) < 1e-5, (name, rel(got[..., : ref.shape[-1]], ref))
+    for name in ("llama", "qwen2"):
+        a, b = one[0][name], four[0][name]
+        assert all(abs(x - y) / abs(y) < 1e-5 for x, y in zip(b["losses"], a["losses"])), (name, a, b)
+        assert a["losses"][0] != a["losses"][1]
+        n = 320  # the real vocabulary rows (the padding differs with tp)
+        assert max(rel(b["weights"][k][:n], a["weights"][k][:n]) for k in a["weights"]) < 1e-5, name
+    assert (
+        rel(
+            one[0]["qwen2"]["weights"]["layers.1.attn.qkv_bias"],
+            torch.cat(
+                [hf_model("qwen2").model.layers[1].self_attn.__getattr__(f"{x}_proj").bias for x in "qkv"]
+            ).detach(),
+        )
+        > 1e-4
+    )
     a, b = one[0]["llama"], four[0]["llama"]
-    assert all(abs(x - y) / abs(y) < 1e-5 for x, y in zip(b["losses"], a["losses"])), (a["losses"], b["losses"])
-    assert a["losses"][0] != a["losses"][1]
-    n = 320  # the real vocabulary rows (the padding differs with tp)
-    assert max(rel(b["weights"][k][:n], a["weights"][k][:n]) for k in a["weights"]) < 1e-5
     out = export_hf(tmp_path / "four", tmp_path / "exported", "fp32")
     from safetensors.torch import load_file
 
@@ -256,3 +273,39 @@ def test_sparse24_run_exports_masked_weights(dirs, tmp_path):
         nz = (w[key] != 0).reshape(-1, 4).sum(-1)
         assert nz.max() <= 2 and nz.float().mean() > 1.9, key
     assert (w["model.layers.0.self_attn.q_proj.weight"] != 0).float().mean() > 0.99  # attention stays dense
+
+
+def gpu_filtered_step(hf_dir: str, out_dir: str) -> dict:
+    from megasparse.hf.inference import model_config
+    from megasparse.train import Trainer
+
+    ov = [f"{k}={v}" for k, v in RUN.items() if not k.startswith(("train.dtype", "train.device", "parallel.backend"))]
+    cfg = model_config(hf_dir, ov + FILTERED + ["train.dtype=bf16", "train.device=cuda", f"logging.out_dir={out_dir}"])
+    tr = Trainer(cfg)
+    batches = tr._microbatches(tr.valid_ds, 0, 1)
+    with torch.no_grad():
+        s, t = tr._forward_backward(batches, train=False)
+    return {"ids": batches[0].tokens.cpu(), "loss": (s / t).item(), "steps": [tr.train_step().loss for _ in range(2)]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_qwen2_bf16_loss_filtered_steps_and_generate(dirs, tmp_path):
+    """On the GPU (bf16, cuDNN attention with the q/k/v bias): the imported Qwen2's loss is transformers' within bf16
+    error, two Collider steps run finite, and fp32 greedy generation on the GPU equals transformers' on the CPU."""
+    from megasparse.hf.inference import generate, load_single, model_config
+    from megasparse.parallel import state
+
+    r = run_distributed(gpu_filtered_step, 1, dirs["qwen2"], str(tmp_path))[0]
+    ids = r["ids"]
+    logits = hf_logits(dirs["qwen2"], ids[:, :-1])
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
+    assert abs(r["loss"] - ref) / ref < 2e-2, (r["loss"], ref)
+    assert all(torch.isfinite(torch.tensor(r["steps"])))
+    prompt = [3, 17, 250, 9, 41]
+    want = hf_model("qwen2").generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, 5:].tolist()
+    try:
+        model = load_single(model_config(dirs["qwen2"], ["train.dtype=fp32", "model.seq_length=16"]), "cuda")
+        assert generate(model, prompt, 16) == want
+    finally:
+        state.destroy()
