@@ -152,10 +152,12 @@ class Config:
                 "loss.impl=mcore has a dense backward, so filter.mode=collider cannot compact it; "
                 "use loss.impl=cce or torch, or filter.mode=loss_mask"
             )
-        if m.tie_embeddings and p.pp > 1:
+        untied_only = p.distributed_optimizer or p.virtual_stages > 1 or self.loss.vocab_over_pp
+        if m.tie_embeddings and p.pp > 1 and untied_only:
             raise ConfigError(
-                "model.tie_embeddings=true is supported at parallel.pp=1 only (the embedding group that sums the "
-                "two copies' gradients over the pipeline is not implemented yet); use parallel.pp=1 or untie"
+                "model.tie_embeddings=true under parallel.pp > 1 sums the two stages' copies' gradients over an "
+                "embedding group, implemented without parallel.distributed_optimizer, parallel.virtual_stages or "
+                "loss.vocab_over_pp; turn those off or use parallel.pp=1"
             )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")

@@ -160,8 +160,8 @@ class GPTStage(nn.Module):
         )
         if self.last:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sequence_parallel)
-        self.tied = cfg.tie_embeddings and self.last and self.first and not self.vocab_pp
-        if self.tied:  # one parameter (pp = 1, validated): the loss reads the embedding's own slice of rows
+        self.tied = cfg.tie_embeddings and not self.vocab_pp  # (validated: no vocab_over_pp, no virtual stages)
+        if self.tied and self.last and self.first:  # one parameter: the loss reads the embedding's own slice of rows
             self.__dict__["output_weight"] = self.embedding.weight  # not registered twice (one checkpoint key)
             self.vocab_start = self.embedding.vocab_start
             self.output_copy = None
@@ -170,11 +170,14 @@ class GPTStage(nn.Module):
             self.vocab_start = lay.tp_rank * per_rank
             if self.vocab_pp:
                 self.vocab_start, per_rank = slice_range(vocab_padded)
-            full = padded_vocab_init("output", vocab_size, vocab_padded, cfg.hidden_size, cfg.init_std, seed, device)
+            init = "embedding" if self.tied else "output"  # pp > 1 tied: the last stage's copy of the embedding
+            full = padded_vocab_init(init, vocab_size, vocab_padded, cfg.hidden_size, cfg.init_std, seed, device)
             self.output_weight = nn.Parameter(full[self.vocab_start : self.vocab_start + per_rank].contiguous())
             self.output_weight.tp_spec = (0, [vocab_padded // (lay.pp if self.vocab_pp else 1)])
             self.output_weight.pp_vocab = self.vocab_pp
             self.output_weight.vocab_rows = (self.vocab_start, vocab_size)  # global rows (parallel/shards.py)
+            # its gradient is summed with the first stage's embedding over the embedding group (parallel/tied.py)
+            self.output_weight.tied_copy = self.tied
             if not self.vocab_pp:  # its compute-dtype copy, once per optimizer step (layers.ComputeCopies)
                 self.output_copy: ComputeCopy | None = None
         cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device, scaling=cfg.rope_scaling_args)
@@ -256,7 +259,7 @@ class GPTStage(nn.Module):
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             return f"layers.{self.layer_ids[int(i)]}.{rest}"
-        return name
+        return "embedding.weight" if self.tied and name == "output_weight" else name  # pp > 1 tied: one key
 
 
 class StageChunks(nn.Module):
