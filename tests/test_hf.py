@@ -244,8 +244,8 @@ def test_bad_input_is_one_line(dirs, tmp_path):
     assert "400 tokens" in _one_line(import_hf, big, out)
     from megasparse.config import load_config
 
-    tied = load_config(None, ["model.tie_embeddings=true", "parallel.pp=2", "parallel.distributed_optimizer=true",
-                              "data.prefix=synthetic", "model.vocab_size=256", f"logging.out_dir={tmp_path}"])  # fmt: skip
+    ov = ["model.tie_embeddings=true", "parallel.pp=2", "parallel.distributed_optimizer=true"]
+    tied = load_config(None, ov + ["data.prefix=synthetic", "model.vocab_size=256", f"logging.out_dir={tmp_path}"])
     assert "distributed_optimizer" in _one_line(tied.validate, 2)
     assert set(SPECS) >= {"llama", "llama31", "llama32", "qwen2"}
 
