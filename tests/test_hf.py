@@ -276,6 +276,14 @@ def test_sparse24_run_exports_masked_weights(dirs, tmp_path):
         nz = (w[key] != 0).reshape(-1, 4).sum(-1)
         assert nz.max() <= 2 and nz.float().mean() > 1.9, key
     assert (w["model.layers.0.self_attn.q_proj.weight"] != 0).float().mean() > 0.99  # attention stays dense
+    from megasparse.hf.inference import load_single, model_config
+    from megasparse.parallel import state
+
+    try:  # generate/eval on the run directory compute with the same W ⊙ M
+        model = load_single(model_config(str(tmp_path / "run")), "cpu")
+        assert torch.equal(model.layers[0].mlp.fc1.weight[:128], w["model.layers.0.mlp.gate_proj.weight"])
+    finally:
+        state.destroy()
 
 
 def gpu_filtered_step(hf_dir: str, out_dir: str) -> dict:

@@ -153,9 +153,10 @@ def load_hf_into(hf_dir: str | Path, model: torch.nn.Module, model_cfg, vocab: i
                 view.copy_(_piece(reader, parts, pl.dim, offsets[pl.dim], view.shape[pl.dim]))
 
 
-def init_from(path: str, model: torch.nn.Module, model_cfg, vocab: int) -> None:
+def init_from(path: str, model: torch.nn.Module, model_cfg, vocab: int, masked: bool = False) -> None:
     """``checkpoint.init_from``: this rank's weights from an HF directory or a megasparse checkpoint (any layout);
-    the optimizer, step and data order start fresh."""
+    the optimizer, step and data order start fresh. ``masked`` (eval, generate): a 2:4 checkpoint's weights are
+    multiplied by their saved masks, the weights that run computed with (training recomputes masks instead)."""
     if is_hf_dir(path):
         tokenizer_check(Path(path), vocab)
         load_hf_into(path, model, model_cfg, vocab)
@@ -165,6 +166,34 @@ def init_from(path: str, model: torch.nn.Module, model_cfg, vocab: int) -> None:
     if not Path(path).exists():
         raise HFError(f"checkpoint.init_from={path}: no such directory")
     ckpt.load_weights(path, model)
+    if masked:
+        apply_saved_masks(ckpt.resolve_resume(path), model)
+
+
+def apply_saved_masks(where: Path, model: torch.nn.Module) -> None:
+    """W ⊙ M for every weight with a saved 2:4 mask (``extra.mask.<global name>``), unless the run had gone dense."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megasparse import checkpoint as ckpt
+    from megasparse.parallel import state
+    from megasparse.parallel.shards import shard_like
+
+    meta = FileSystemReader(str(where)).read_metadata().state_dict_metadata
+    params = {model.global_name(n): p for n, p in model.named_parameters()}
+    extra = {f"mask.{g}": shard_like(torch.zeros_like(p, dtype=torch.uint8), p) for g, p in params.items()
+             if f"extra.mask.{g}" in meta}  # fmt: skip
+    if not extra:
+        return
+    if "extra.sparsity_dense" in meta:
+        extra["sparsity_dense"] = torch.zeros((), dtype=torch.int64)
+    tensors, _ = ckpt._collect(torch.nn.Module(), None, extra, state.layout())
+    ckpt._dcp_load(where, tensors, no_dist=True)
+    if int(extra.get("sparsity_dense", 0)):
+        return
+    with torch.no_grad():
+        for k, m in extra.items():
+            if k.startswith("mask."):
+                params[k[len("mask.") :]].mul_(m.to(params[k[len("mask.") :]].dtype))
 
 
 def check_config(hf_dir: str | Path, model_cfg) -> None:

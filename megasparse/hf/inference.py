@@ -53,8 +53,13 @@ def evaluate(cfg) -> dict:
     from megasparse.train import Trainer, log0
 
     cfg.train.steps, cfg.train.eval_interval, cfg.filter.mode = 1, 0, "off"
-    cfg.sparsity.enabled = False  # masked weights are what a 2:4 checkpoint's export holds; eval reads the dense
+    cfg.sparsity.enabled = False  # a dense model holding W ⊙ M: the weights a 2:4 run computed with
+    init, cfg.checkpoint.init_from = cfg.checkpoint.init_from, None
     tr = Trainer(cfg)
+    from megasparse.hf.convert import init_from
+
+    init_from(init, tr.model, cfg.model, tr.vocab, masked=True)
+    tr.dp_opt.keep_compute_copies()  # the compute copies (bf16 on GPU) read the weights just loaded
     gbs = cfg.train.global_batch_size
     n = len(tr.valid_ds) // gbs
     if n == 0:
@@ -116,7 +121,7 @@ def load_single(cfg, device: str = "auto"):
         state.init(1, 1, False, "gloo" if device == "cpu" or not torch.cuda.is_available() else cfg.dist_backend())
     dev = resolve_device(cfg)
     model = build_model(cfg, cfg.model.vocab_size, device=dev, compute_dtype=resolve_dtype(cfg, dev))
-    init_from(cfg.checkpoint.init_from, model, cfg.model, cfg.model.vocab_size)
+    init_from(cfg.checkpoint.init_from, model, cfg.model, cfg.model.vocab_size, masked=True)
     return model.eval()
 
 
