@@ -241,7 +241,7 @@ def generate_main(argv: list[str]) -> int:
         print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
         return 2
     if tok is not None:
-        print(a.prompt + tok.decode(ids))
+        print(tok.decode(prompt + ids))  # the prompt and its continuation, as the tokenizer joins them
     else:
         print(" ".join(map(str, ids)))
     return 0
