@@ -91,6 +91,9 @@ class CheckpointConfig:
     accept_changes: bool = False
     """Resume even when the data order or optimisation settings differ from the checkpoint's (data.*, filter.*,
     optim.*, model.seq_length, train.global_batch_size, train.seed); off: such a resume is refused in one line."""
+    init_from: str | None = None
+    """Start at step 0 (fresh optimizer and data order) from these weights: a Hugging Face model directory
+    (Llama, Qwen2; see ``megasparse hf import``) or a megasparse checkpoint, at any tp/pp/dp layout."""
 
 
 @dataclass
@@ -164,6 +167,13 @@ class Config:
             raise ConfigError(
                 "loss.impl=mcore has a dense backward, so filter.mode=collider cannot compact it; "
                 "use loss.impl=cce or materialized, or filter.mode=loss_mask"
+            )
+        untied_only = p.distributed_optimizer or p.virtual_stages > 1 or self.loss.vocab_over_pp
+        if m.tie_embeddings and p.pp > 1 and untied_only:
+            raise ConfigError(
+                "model.tie_embeddings=true under parallel.pp > 1 sums the two stages' copies' gradients over an "
+                "embedding group, implemented without parallel.distributed_optimizer, parallel.virtual_stages or "
+                "loss.vocab_over_pp; turn those off or use parallel.pp=1"
             )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")

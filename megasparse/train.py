@@ -80,6 +80,10 @@ class Trainer:
         self.vocab_padded = cfg.padded_vocab(self.vocab)
         m = cfg.model
         self.model = build_model(cfg, self.vocab, device=self.device, compute_dtype=self.compute_dtype)
+        if cfg.checkpoint.init_from:  # other weights at step 0, before buckets and 2:4 masks read them
+            from megasparse.hf.convert import init_from
+
+            init_from(cfg.checkpoint.init_from, self.model, m, self.vocab)
         self.graphs = CapturedSteps(cfg, self.lay.pp, self.device, self.model)  # train.cuda_graphs
         # gradient buckets over DP and AdamW on them (sharded under parallel.distributed_optimizer): before the 2:4
         # converter, so its masks and operands see the parameters in their final dtype and storage

@@ -61,9 +61,15 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, name=f"layers.{layer}.attn.proj", init_std=out_std, **kw
         )
+        self.qkv_bias = None
+        if cfg.qkv_bias:  # this rank's rows of [q; k; v], like the weight (zeros: the same at every layout)
+            self.qkv_bias = nn.Parameter(torch.zeros((self.nq + 2 * self.nkv) * d, device=device))
+            self.qkv_bias.tp_spec = (0, parts)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.proj(attention(self.qkv(x), self.nq, self.nkv, cos, sin, self.recompute))
+        qkv = self.qkv(x)
+        bias = None if self.qkv_bias is None else self.qkv_bias.to(qkv.dtype)
+        return self.proj(attention(qkv, self.nq, self.nkv, cos, sin, self.recompute, bias))
 
 
 class SwiGLUMLP(nn.Module):
@@ -173,21 +179,40 @@ class GPTStage(nn.Module):
         )
         if self.last:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sequence_parallel)
-        if self.last or self.vocab_pp:
+        self.tied = cfg.tie_embeddings and not self.vocab_pp  # (validated: no vocab_over_pp, no virtual stages)
+        if self.tied and self.last and self.first:  # one parameter: the loss reads the embedding's own slice of rows
+            self.__dict__["output_weight"] = self.embedding.weight  # not registered twice (one checkpoint key)
+            self.vocab_start = self.embedding.vocab_start
+            self.output_copy = None
+        elif self.last or self.vocab_pp:
             per_rank = vocab_padded // lay.tp
             self.vocab_start = lay.tp_rank * per_rank
             if self.vocab_pp:
                 self.vocab_start, per_rank = slice_range(vocab_padded)
-            full = padded_vocab_init("output", vocab_size, vocab_padded, cfg.hidden_size, cfg.init_std, seed, device)
+            init = "embedding" if self.tied else "output"  # pp > 1 tied: the last stage's copy of the embedding
+            full = padded_vocab_init(init, vocab_size, vocab_padded, cfg.hidden_size, cfg.init_std, seed, device)
             self.output_weight = nn.Parameter(full[self.vocab_start : self.vocab_start + per_rank].contiguous())
             self.output_weight.tp_spec = (0, [vocab_padded // (lay.pp if self.vocab_pp else 1)])
             self.output_weight.pp_vocab = self.vocab_pp
             self.output_weight.vocab_rows = (self.vocab_start, vocab_size)  # global rows (parallel/shards.py)
+            # its gradient is summed with the first stage's embedding over the embedding group (parallel/tied.py)
+            self.output_weight.tied_copy = self.tied
             if not self.vocab_pp:  # its compute-dtype copy, once per optimizer step (layers.ComputeCopies)
                 self.output_copy: ComputeCopy | None = None
-        cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+        cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device, scaling=cfg.rope_scaling_args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def rope(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables covering ``positions`` (they grow, doubling, past model.seq_length: evaluation and
+        generation of longer sequences)."""
+        if positions > self.rope_cos.shape[0]:
+            n = max(positions, 2 * self.rope_cos.shape[0])
+            m = self.cfg
+            self.rope_cos, self.rope_sin = rope_tables(
+                n, m.head_dim, m.rope_theta, self.rope_cos.device, scaling=m.rope_scaling_args
+            )
+        return self.rope_cos, self.rope_sin
 
     def forward(
         self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: KeepHolder | None = None
@@ -195,10 +220,12 @@ class GPTStage(nn.Module):
         """First stage: x is token ids [s, b] (the embedded input under embedding_over_pp).
 
         Last stage returns per-token loss [s·b]; others hidden."""
+        full = x.shape[0] * (self.layout.tp if self.sp and not (self.first and not self.embedding_pp) else 1)
+        cos, sin = self.rope(full)
         if self.first and not self.embedding_pp:
             x = self.embedding(x)
         for block in self.layers:
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin)
         if not self.last:
             return x
         x = self.final_norm(x)
@@ -255,7 +282,7 @@ class GPTStage(nn.Module):
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             return f"layers.{self.layer_ids[int(i)]}.{rest}"
-        return name
+        return "embedding.weight" if self.tied and name == "output_weight" else name  # pp > 1 tied: one key
 
 
 class StageChunks(nn.Module):

@@ -146,6 +146,12 @@ def dp_group():
     return ps.get_data_parallel_group() if ps else None
 
 
+def embedding_group():
+    """The first and last pipeline stages of this rank's pipeline (tied embeddings sum their gradients over it)."""
+    ps = _ps()
+    return ps.get_embedding_group() if ps else None
+
+
 def mp_group():
     """Model-parallel group (tp × pp): gradient-norm reductions span it."""
     ps = _ps()
