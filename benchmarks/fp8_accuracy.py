@@ -6,9 +6,9 @@ The gap is (fp8 − bf16) / bf16 of the final validation loss of the same combin
     python benchmarks/fp8_accuracy.py --plot docs/benchmarks/data/fp8_accuracy.json    # the PNG, on any machine
 
 The corpus cache must exist (``MEGASPARSE_CACHE=data_cache megasparse prepare-data`` here; carry ``data_cache`` to a
-machine without network). Runs are sequential, one process each (tp = 1), so each has the GPU to itself. Writes
-``fp8_accuracy.json`` (device, per run the loss curve, final train and validation loss, step time) and prints the
-table last.
+machine without network). Runs are one process each (tp = 1), one per visible GPU at a time, so each has its GPU
+to itself. Writes ``fp8_accuracy.json`` (device, per run the loss curve, final train and validation loss, wall
+time) and prints the table last.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ MODEL = [
     "model.num_query_groups=4",
     "model.ffn_hidden_size=5632",
     "model.rope_theta=10000.0",
+    "model.vocab_size=null",  # the bundled tokenizer's 8192
 ]
 _COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
 _SPARSE = ["sparsity.enabled=true"]
@@ -77,19 +78,29 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_one(name: str, extra: list[str], args: argparse.Namespace, work: Path) -> dict:
+def start(name: str, extra: list[str], args: argparse.Namespace, work: Path, gpu: int | None):
+    """Launch one run (on GPU ``gpu`` alone when given); returns (process, its output directory, start time)."""
     out_dir = work / name.replace(":", "").replace("+", "_")
     cmd = [sys.executable, "-m", "megasparse", "train", str(ROOT / "configs" / "gpu_1b_1gpu.yaml")]
     cmd += overrides(args, out_dir) + extra
+    env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
     print("$", " ".join(cmd), flush=True)
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, out_dir, time.time()
+
+
+def run_one(name: str, extra: list[str], args: argparse.Namespace, work: Path, gpu: int | None = None) -> dict:
+    return finish(name, extra, *start(name, extra, args, work, gpu))
+
+
+def finish(name: str, extra: list[str], proc: subprocess.Popen, out_dir: Path, t0: float) -> dict:
+    output = proc.communicate()[0] or ""
     wall = time.time() - t0
     recs = read_metrics(out_dir)
     train = [(r["step"], r["loss"]) for r in recs if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
     if proc.returncode != 0 or not train:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-8:]
+        tail = output.strip().splitlines()[-8:]
         print(f"{name}: FAILED (exit {proc.returncode})\n  " + "\n  ".join(tail), flush=True)
         return {"name": name, "overrides": extra, "error": "\n".join(tail), "wall_s": round(wall, 1)}
     last = train[-min(20, len(train)) :]
@@ -179,7 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs:
         runs_wanted = {k: v for k, v in runs_wanted.items() if k in args.runs.split(",")}
     work = ROOT / args.work / time.strftime("%Y%m%d-%H%M%S")
-    runs = {name: run_one(name, extra, args, work) for name, extra in runs_wanted.items()}
+    gpus = max(1, torch.cuda.device_count())  # one run per visible GPU at a time, each alone on its GPU
+    runs: dict[str, dict] = {}
+    todo = list(runs_wanted.items())
+    while todo:
+        wave, todo = todo[:gpus], todo[gpus:]
+        started = [
+            (name, extra, start(name, extra, args, work, i if gpus > 1 else None))
+            for i, (name, extra) in enumerate(wave)
+        ]
+        for name, extra, handle in started:
+            runs[name] = finish(name, extra, *handle)
     report = {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
