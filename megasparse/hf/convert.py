@@ -33,6 +33,13 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     return json.loads(f.read_text())
 
 
+def _header(path: Path) -> tuple[int, dict]:
+    """(where a safetensors file's data starts, its JSON header)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return 8 + n, json.loads(f.read(n))
+
+
 class HFReader:
     """Memory-mapped access to a directory's safetensors shards: shapes from the headers, slices on demand."""
 
@@ -57,9 +64,9 @@ class HFReader:
                 keys = list(self.files[name].keys())
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise HFError(f"{hf_dir}: shard {name} is unreadable (truncated?): {str(e).splitlines()[0]}") from e
-            size = path.stat().st_size
+            size, header = path.stat().st_size, _header(path)
             for k in keys:
-                end = self._end(name, k)
+                end = header[0] + header[1][k]["data_offsets"][1]  # safetensors checks this only when reading
                 if end > size:
                     raise HFError(f"{hf_dir}: shard {name} is truncated ({size} bytes, tensor {k} ends at {end})")
                 self.where[k] = name
@@ -67,17 +74,6 @@ class HFReader:
             lost = sorted(k for k, f in weight_map.items() if k not in self.where)
             if lost:
                 raise HFError(f"{hf_dir}: tensor {lost[0]} is listed in {INDEX} but not in its shard")
-
-    def _end(self, file: str, key: str) -> int:
-        """The byte a tensor ends at in its file (header length + its data offset), for the truncation check."""
-        path = self.dir / file
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not hasattr(self, "_headers"):
-                self._headers = {}
-            if file not in self._headers:
-                self._headers[file] = json.loads(f.read(n))
-        return 8 + n + self._headers[file][key]["data_offsets"][1]
 
     def shape(self, key: str) -> tuple[int, ...]:
         if key not in self.where:
