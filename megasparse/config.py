@@ -55,8 +55,12 @@ class TrainConfig:
     fp8: Literal["off", "tensorwise", "rowwise"] = "off"
     """fp8 GEMMs for qkv, proj, fc1 and fc2 (megasparse/fp8/, decision 1000): e4m3 activations and weights, e5m2
     gradients, scales from each operand's current amax (one per tensor, or per row along each GEMM's reduction).
-    The output layer and the loss stay bf16; 2:4 fc1/fc2 keep their GEMMs. Needs sm_89+ on CUDA; on CPU it runs an
-    exact emulation (for tests)."""
+    The output layer and the loss stay bf16; 2:4 fc1/fc2 run fp8 GEMMs on their masked weights W ⊙ M (decision
+    1001). Needs sm_89+ on CUDA; on CPU it runs an exact emulation (for tests)."""
+    fp8_min_mnk: float = 4.0e10
+    """On CUDA a linear runs fp8 only when rows · out · in of its smallest GEMM (the backward's kept rows under
+    collider) reaches this: below it the casts cost more than the fp8 GEMM saves (H100 measurements, decision
+    1001); 0: every linear."""
 
 
 @dataclass

@@ -93,7 +93,7 @@ def _operands(recipe: str, n: int, k: int, t: int, seed: int):
     w = torch.nn.Parameter(torch.randn(n, k, generator=g) * 0.05)
     x = torch.randn(t, k, generator=g) * torch.logspace(-2, 1, t).reshape(-1, 1)  # rows over three decades
     dy = torch.randn(t, n, generator=g) * 1e-3
-    return Fp8Gemm(w, recipe), w, x, dy
+    return Fp8Gemm(w, recipe, wgrad_fp8=True), w, x, dy
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -215,7 +215,7 @@ def _tp_layers_exact() -> dict:
     fc1 = ColumnParallelLinear(h, [f], name="fc1", init_std=0.2, seed=3, device="cpu", sequence_parallel=True)
     fc2 = RowParallelLinear(f, h, name="fc2", init_std=0.2, seed=3, device="cpu", sequence_parallel=True)
     for lin in (fc1, fc2):
-        lin.gemm = Fp8Gemm(lin.weight, "tensorwise")
+        lin.gemm = Fp8Gemm(lin.weight, "tensorwise", wgrad_fp8=True)
     shard = slice(lay.tp_rank * s // 2, (lay.tp_rank + 1) * s // 2)
     cols = slice(lay.tp_rank * f // 2, (lay.tp_rank + 1) * f // 2)
     x = x_full[shard].clone().requires_grad_()
@@ -273,21 +273,28 @@ def _with_sparsity() -> dict:
     from megasparse.config import load_config
     from megasparse.train import Trainer
 
-    ov = tiny(train__steps=2, model__num_layers=2) + ["train.fp8=tensorwise", "sparsity.enabled=true"]
+    ov = tiny(train__steps=12, model__num_layers=2) + ["train.fp8=tensorwise", "sparsity.enabled=true"]
     tr = Trainer(load_config(None, ov))
-    losses = [tr.train_step().loss for _ in range(2)]
+    losses = [tr.train_step().loss for _ in range(2)]  # still in the sparse phase (the dense fine-tune is the last 1/6)
+    assert tr.sparsity.manager.sparse
+    sparse = {n: lin.gemm for n, lin in tr.model.linears().items() if hasattr(lin.gemm, "masked_weight")}
+    masks_hold = all(
+        bool(((g.fp8.w8.float() != 0) <= (tr.sparsity.manager.masks[n] != 0)).all()) for n, g in sparse.items()
+    )  # the fp8 copy is made from W ⊙ M: zero wherever the mask is
     return {
         "losses": losses,
         "fp8": sorted(tr.fp8.gemms),
+        "sparse_fp8": sorted(n for n, g in sparse.items() if g.fp8 is not None),
+        "masks_hold": masks_hold,
         "kept": dict(tr.fp8.skipped),
-        "banner": tr.fp8.banner(tr.device),
     }
 
 
-def test_fp8_with_2to4_keeps_the_sparse_ffn_gemms() -> None:
-    """With 2:4 on, fc1/fc2 keep their 2:4 GEMM (decision 1000), qkv/proj run fp8, and the banner says so."""
+def test_fp8_with_2to4_runs_fp8_on_the_masked_weights() -> None:
+    """With 2:4 on, fc1/fc2 keep their 2:4 recipe (masks, decay, refresh) but their GEMMs run fp8 on W ⊙ M (decision
+    1001): all eight linears are fp8 and the sparse ones' fp8 copies are zero wherever their masks are."""
     r = run_distributed(_with_sparsity, 1)[0]
     assert all(torch.isfinite(torch.tensor(r["losses"])))
-    assert r["fp8"] and all(n.endswith(("attn.qkv.weight", "attn.proj.weight")) for n in r["fp8"])
-    assert len(r["kept"]) == 4 and all("Sparse24Gemm" in why for why in r["kept"].values())
-    assert "4 linears unchanged (keeps its Sparse24Gemm)" in r["banner"]
+    assert len(r["fp8"]) == 8 and not r["kept"]
+    assert len(r["sparse_fp8"]) == 4 and all(n.endswith(("fc1.weight", "fc2.weight")) for n in r["sparse_fp8"])
+    assert r["masks_hold"]

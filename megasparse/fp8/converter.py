@@ -4,9 +4,10 @@
     ... optimizer step ...
     conv.post_optimizer_step()             # the fp8 weight copies from the new masters, in place
 
-What stays in bf16: the output layer and the loss (``loss/``: CCE's logit GEMMs), the embeddings, and linears that
-already run another GEMM (2:4 fc1/fc2: decision 1000 says why they keep theirs). Under tensor parallelism each TP
-shard scales its own operands (its weight shard, its slice of the gradient): no amax all-reduce (decision 1000).
+What stays in bf16: the output layer and the loss (``loss/``: CCE's logit GEMMs), the embeddings, and on CUDA the
+linears whose GEMMs are too small for fp8 to pay for its casts (``train.fp8_min_mnk``, decision 1001). 2:4 fc1/fc2
+run dense fp8 GEMMs on their masked weights W ⊙ M (on Hopper fp8 dense beats 2:4 in bf16 or fp8: decision 1001).
+Under tensor parallelism each TP shard scales its own operands: no amax all-reduce (decision 1000).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def _log0(msg: str) -> None:
 class Fp8Converter:
     """Installs ``Fp8Gemm`` on a model's block linears and refreshes their fp8 weight copies after each step."""
 
-    def __init__(self, recipe: Recipe, wgrad_fp8: bool = True) -> None:
+    def __init__(self, recipe: Recipe, wgrad_fp8: bool = False, min_mnk: float = 0.0, rows: int = 0) -> None:
         self.recipe, self.wgrad_fp8 = recipe, wgrad_fp8
+        self.min_mnk, self.rows = min_mnk, rows
+        """A CUDA linear runs fp8 when ``rows`` (its smallest GEMM's token rows) · out · in ≥ ``min_mnk``."""
         self.gemms: dict[str, Fp8Gemm] = {}
         self.skipped: dict[str, str] = {}
         """weight name → why it kept its GEMM."""
@@ -41,10 +44,15 @@ class Fp8Converter:
     def convert_linears(self, linears: dict[str, torch.nn.Module]) -> dict[str, Fp8Gemm]:
         for name, lin in linears.items():
             n, k = lin.weight.shape
-            if lin.gemm is not DENSE:
+            masked = getattr(lin.gemm, "masked_weight", None)  # a 2:4 GEMM: fp8 over its W ⊙ M
+            if lin.gemm is not DENSE and masked is None:
                 self.skipped[name] = f"keeps its {type(lin.gemm).__name__}"
             elif lin.weight.is_cuda and (n % 16 or k % 16):
                 self.skipped[name] = f"[{n}, {k}] is not a multiple of 16 (torch._scaled_mm)"
+            elif lin.weight.is_cuda and self.rows * n * k < self.min_mnk:
+                self.skipped[name] = f"GEMMs below train.fp8_min_mnk={self.min_mnk:.3g}"
+            elif masked is not None:
+                lin.gemm.fp8 = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8, source=masked)
             else:
                 lin.gemm = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8)
         self.refresh()
@@ -77,7 +85,10 @@ def fp8_converter(cfg, model: torch.nn.Module, device: torch.device) -> Fp8Conve
     """The converter for ``train.fp8`` (None when off), applied to ``model``, with its one-line banner on rank 0."""
     if cfg.train.fp8 == "off":
         return None
-    conv = Fp8Converter(cfg.train.fp8)
+    f = cfg.filter
+    kept = f.keep_ratio if f.mode == "collider" else 1.0
+    rows = int(cfg.model.seq_length * cfg.train.micro_batch_size * kept)  # a TP region's GEMMs see the whole sequence
+    conv = Fp8Converter(cfg.train.fp8, min_mnk=cfg.train.fp8_min_mnk, rows=rows)
     conv.convert(model)
     _log0(conv.banner(device))
     return conv

@@ -24,6 +24,7 @@ bucket slice. Elsewhere: the exact emulation (``emulated_mm``): the same fp8 val
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -61,8 +62,12 @@ def _pad16(n: int) -> int:
 class Fp8Gemm:
     """fp8 GEMMs of one linear layer (``parallel/layers.py``'s pluggable gemm), with its fp8 weight copies."""
 
-    def __init__(self, param: torch.nn.Parameter, recipe: Recipe, wgrad_fp8: bool = True) -> None:
+    def __init__(
+        self, param: torch.nn.Parameter, recipe: Recipe, wgrad_fp8: bool = False, source: Callable | None = None
+    ) -> None:
         self.param, self.recipe, self.wgrad_fp8 = param, recipe, wgrad_fp8
+        self.source = source
+        """What the fp8 copies are made from (None: the master; a 2:4 layer's: its masked weight W ⊙ M)."""
         self.axis: Axis = "row" if recipe == "rowwise" else "tensor"
         self.w8: torch.Tensor | None = None  # W [N, K] e4m3, forward
         self.w8t: torch.Tensor | None = None  # Wᵀ [K, N] e4m3, dgrad
@@ -74,7 +79,7 @@ class Fp8Gemm:
     def refresh(self) -> None:
         """Quantise the current weight into the fp8 copies, in place (a captured step keeps reading the same
         buffers). The converter calls this after every optimizer step and checkpoint load."""
-        w = self.param.detach()
+        w = self.param.detach() if self.source is None else self.source()
         if self.recipe == "tensorwise" and use_triton(w):  # one scale: W and Wᵀ from one read
             q, qt, s = quantize_triton(w, E4M3, "tensor", transpose=True)
             st = s
