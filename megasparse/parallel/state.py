@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megasparse.parallel.groups import SINGLE, ProcessGroups
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -118,6 +120,11 @@ def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _layout = Layout()
+
+
+def groups() -> ProcessGroups:
+    """The layers' process groups of this process's layout (``parallel/groups.py``): passed down at construction."""
+    return ProcessGroups(tp_group(), _layout.tp, _layout.tp_rank) if _ps() is not None else SINGLE
 
 
 def _ps():
