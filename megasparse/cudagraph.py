@@ -269,11 +269,6 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
 
 
-def _log0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
-
-
 class CapturedSteps:
     """The CUDA-graph executor: capture when the run allows, capture again when the 2:4 operands change, and run
     eagerly (saying why, once) when a capture fails. ``in_flight`` hands the schedule this step's handler: pp = 1
@@ -298,7 +293,7 @@ class CapturedSteps:
         self.moves: list[int] = []
         """pp > 1: steps whose 2:4 operands moved (each costs an eager step and a capture)."""
         if device.type == "cuda" and self.blocker is not None:
-            _log0(f"cuda graphs off: {self.blocker}")
+            state.log0(f"cuda graphs off: {self.blocker}")
 
     @property
     def active(self) -> bool:
@@ -337,7 +332,7 @@ class CapturedSteps:
                         p.grad.zero_()
                 step.loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
                 return self._off(f"capture failed ({_root_cause(e)})")
-            _log0(f"cuda graphs: one micro-batch captured, replayed {len(batches)}x per step")
+            state.log0(f"cuda graphs: one micro-batch captured, replayed {len(batches)}x per step")
         return self.graph.start(batches, step)
 
     def stage(self, batches: list[Batch], p2p: StageComm, step, step_no: int) -> StageGraphs | None:
@@ -367,7 +362,7 @@ class CapturedSteps:
                 return None
             n = len(self.stage_graphs.slots)
             what = "one graph (forward + backward)" if self.stage_graphs.last else f"{n} forward + {n} backward graphs"
-            _log0(f"cuda graphs: pipeline stage captured as {what}, replayed inside 1F1B")
+            state.log0(f"cuda graphs: pipeline stage captured as {what}, replayed inside 1F1B")
         return self.stage_graphs.start(batches, step)
 
     def _off(self, why: str) -> None:

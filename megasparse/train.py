@@ -42,15 +42,11 @@ from megasparse.model.builder import (
     resolve_dtype,
 )
 from megasparse.parallel import state
+from megasparse.parallel.state import log0
 from megasparse.step.build import build_components, stage_comm
 from megasparse.step.executor import ForwardBackward, global_mean
 
 __all__ = ["InferenceModel", "StepResult", "Trainer", "build_data", "load_model_for_inference", "main", "run_training"]
-
-
-def log0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
 
 
 @dataclass

@@ -44,6 +44,12 @@ def layout() -> Layout:
     return _layout
 
 
+def log0(msg: str) -> None:
+    """Print once per run: on global rank 0, or on every process before any group exists."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
 def world_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun/Slurm env vars, before any group exists."""
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
