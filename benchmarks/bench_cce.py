@@ -15,6 +15,9 @@ must do, unchunked or over CCE's chunks) N times in turn, in an order shuffled e
 compares neighbours in time; it reports the median and range of those ratios. One call's single timing moves with
 the GPU's clocks.
 
+``megasparse-cce-bf16dE`` is CCE with ``loss.grad_accum_fp32=false`` (dE rounded to bf16 after every vocabulary
+chunk, the default before decision 0207): its ratio to ``megasparse-cce`` is the price of the accurate default.
+
 ``--scratch-mb 112,224`` adds ``megasparse-cce-scratch<MB>`` to either mode: CCE with ``loss.cce_scratch_mb`` at
 that bound (wider vocabulary chunks for more memory; the default is 56 MB).
 
@@ -111,7 +114,7 @@ def fwd_bwd_runner(name: str, h, w, t):
         scratch = name.partition("-scratch")[2]  # megasparse-cce-scratch224: loss.cce_scratch_mb=224
         cfg = LossConfig(  # the default backend on CUDA is gemm (exact); "tiles" is the Triton tile kernels
             impl="cce", sort_vocab="sort" in name, filter_eps=None if "exact" in name else 2.0**-12,
-            grad_accum_fp32="fp32" in name, backend="triton" if "tiles" in name else None,
+            grad_accum_fp32="bf16dE" not in name, backend="triton" if "tiles" in name else None,
             cce_scratch_mb=int(scratch) if scratch else None,
         )  # fmt: skip
 
@@ -437,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_check:
         correctness(rows)
     table = []
-    methods = ("megasparse-cce", "megasparse-cce-widest", "megasparse-cce-cublas", "megasparse-cce-fp32dE",
+    methods = ("megasparse-cce", "megasparse-cce-widest", "megasparse-cce-cublas", "megasparse-cce-bf16dE",
                "megasparse-cce-tiles-sort", "apple-cce", "liger-flce", "mcore-materialised",
                "torch-materialised")  # fmt: skip
     scratch = tuple(f"megasparse-cce-scratch{int(mb)}" for mb in args.scratch_mb.split(",") if mb)
@@ -451,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
             sweep_gemm(h, w, t, rows)
             breakdown(h, w, t, rows)
         if args.rounds:
-            ms = ("megasparse-cce", *scratch, "megasparse-cce-widest", "torch-materialised", "mcore-materialised",
-                  *FLOORS)  # fmt: skip
+            ms = ("megasparse-cce", *scratch, "megasparse-cce-widest", "megasparse-cce-bf16dE", "torch-materialised",
+                  "mcore-materialised", *FLOORS)  # fmt: skip
             table += rounds(h, w, t, shape, args.rounds, ms, rows)
             del h, w, t
             torch.cuda.empty_cache()

@@ -1,31 +1,46 @@
 """The end-to-end speed matrix: megasparse with each acceleration against megatron-core dense, one call per layout.
 
     torchrun --nproc_per_node N benchmarks/bench_e2e.py LAYOUT [--micro 1,2,4] [--modes dense,collider,...]
-        [--steps 4] [--warmup 2] [--out-dir docs/benchmarks/data] [section.key=value ...]
+        [--anchors mcore-sdpa,torchtitan-bf16,torchtitan-fp8] [--steps 4] [--warmup 2] [--out-dir DIR] [--append]
+        [section.key=value ...]
     python benchmarks/bench_e2e.py --plot docs/benchmarks/data/e2e_LAYOUT.json     # the PNG, on any machine
 
 A layout's code path can be smoke-tested without GPUs: with ``train.device=cpu parallel.backend=gloo
 train.dtype=fp32`` and tiny model overrides every megasparse mode runs on gloo ranks (the anchor needs CUDA and is
 marked skipped; CPU times mean nothing).
 
+Why this file is long: it is the matrix's one driver (layouts, modes, anchors, the case loop, the JSON with its
+merge and ratios, the table and the plot); the anchors themselves live in mcore_anchor.py and titan_anchor.py.
+
 Layouts (``LAYOUTS``): ``1gpu_tinyllama`` (22 layers), ``2gpu_8b_tp2sp`` and ``4gpu_8b_tp2pp2sp`` (Llama-3-8B-shaped
 layers, 8 of them), ``4gpu_tinyllama_tp2pp2sp``, ``1gpu_8b4l`` (4 Llama-3-8B-shaped layers with the 8B vocabulary
 on one GPU, where no multi-GPU machine is lent), and the pipeline halves of the 4-GPU layouts on two GPUs,
-``2gpu_8b_pp2`` and ``2gpu_tinyllama_pp2`` (PP=2, no TP). In each, for every micro-batch size: megatron-core's
-GPTModel with flash attention (``benchmarks/mcore_anchor.py``, the anchor) and megasparse in every mode of
-``MODES`` (or those of ``--modes``, which also takes ``EXTRA_MODES``: the dense step with the loss pinned), same
-shapes, same global batch, same process group and call. ``dense/eager`` and ``collider/eager`` run with
-``train.cuda_graphs=false`` (what the captured step saves). Each case warms up, then times synchronised steps
-(median over steps, slowest rank). ``host_syncs_per_step`` counts, over one extra step, the synchronisations
+``2gpu_8b_pp2`` and ``2gpu_tinyllama_pp2`` (PP=2, no TP). Issue 33's real workload, the whole Llama-3-8B (32
+layers, seq 4096, global batch 32) on 4 GPUs: ``4gpu_8b32l`` (TP=2 × PP=2 + SP) and the same model as
+``4gpu_8b32l_tp2sp_dp2``, ``4gpu_8b32l_pp2_dp2`` and ``4gpu_8b32l_dp4`` (distributed optimizer), each its own JSON.
+In each, for every micro-batch size: the anchors of ``--anchors`` — megatron-core's GPTModel with flash attention
+(``mcore-sdpa``, ``benchmarks/mcore_anchor.py``, the anchor of ``vs mcore``) and torchtitan 0.2.2's own trainer
+with compile, bf16 and float8 (``torchtitan-bf16``, ``torchtitan-fp8``, ``benchmarks/titan_anchor.py``: FSDP over
+every GPU; by default on ``1gpu_8b4l`` and ``4gpu_8b32l`` only) — and megasparse in every mode of ``MODES`` (or
+those of ``--modes``, which also takes ``EXTRA_MODES``: the dense step with the loss pinned), same shapes, same
+global batch, same process group and call. A mode whose config does not validate on this checkout (``fp8``,
+``collider+fp8`` and ``all four`` need ``train.fp8``) is reported as an error row and the rest runs.
+``dense/eager`` and ``collider/eager`` run with ``train.cuda_graphs=false`` (what the captured step saves). Each
+case warms up, then times synchronised steps (median over steps, slowest rank). ``host_syncs_per_step`` counts,
+over one extra step, the synchronisations
 ``torch.cuda.set_sync_debug_mode("warn")`` reports (values read on the host: ``.item()``, ``nonzero``, copies to
 the host); the explicit end-of-step ``torch.cuda.synchronize`` of both trainers is not among them.
 
 Filtering runs with ``filter.scorer=loss`` (no reference model on the benchmark machine: the selection and the
 compact backward cost the same with any scorer). MFU counts the dense model's FLOPs for every mode
-(``megasparse.metrics.flops_per_token``), so a faster accelerated step shows as higher MFU.
+(``megasparse.metrics.flops_per_token``), so a faster accelerated step shows as higher MFU; ``mfu_titan_formula``
+is torchtitan's count (``titan_anchor.titan_flops_per_token``: equal for these models but for the final norm).
 
 Writes ``e2e_<layout>.json`` (``device``, ``layout``, ``cases``: mode, micro_batch_size, step_ms, anchor_step_ms,
-ratio_vs_anchor, ratio_vs_dense, mfu, mem_gib, host_syncs_per_step, ...) and prints the table last. ``mem_gib`` is the
+ratio_vs_anchor, ratio_vs_dense, ratio_vs_titan_bf16/fp8, mfu, mem_gib (peak per GPU, max over ranks; per rank in
+mem_gib_per_rank), host_syncs_per_step, call, ...) after every case (``partial``: true until the end, so a call
+that runs out of time leaves its rows) and prints the table last. ``--append`` merges into an existing JSON of the
+same layout and device; ratios against torchtitan then may cross calls (``titan_other_call``). ``mem_gib`` is the
 peak allocated during the timed steps less what earlier cases left allocated (``leftover_gib``: megatron-core's
 anchor leaves about 10 GiB behind on TinyLlama, which the following case's peak used to include), with CUDA-graph
 pools counted at their reserved size (``graph_pool_gib``; the allocator's peak alone misses a replayed graph's
@@ -41,6 +56,7 @@ import json
 import math
 import os
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -51,9 +67,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_trainer as bt  # noqa: E402
+import titan_anchor  # noqa: E402  (imports torchtitan only when a torchtitan case runs)
 
 from megasparse.config import ConfigError, load_config  # noqa: E402
+from megasparse.configbase import parse_with_overrides  # noqa: E402
 from megasparse.loss import AUTO_CHOICES  # noqa: E402
+from megasparse.metrics import peak_tflops  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +93,23 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "4gpu_8b_tp2sp_dp2": ("configs/gpu_8b8l_tp2_sp.yaml", 4, ["parallel.distributed_optimizer=true"]),
     "4gpu_8b_pp2_dp2": ("configs/gpu_8b8l_pp2.yaml", 4, ["parallel.distributed_optimizer=true"]),
     "4gpu_8b_pp4v2": ("configs/gpu_8b8l_pp2.yaml", 4, ["parallel.pp=4", "parallel.virtual_stages=2"]),
+    # issue 33: the whole Llama-3-8B (32 layers, seq 4096, global batch 32); the default layout and three others
+    "4gpu_8b32l": ("configs/gpu_8b_tp2_pp2_sp.yaml", 4, []),
+    "4gpu_8b32l_tp2sp_dp2": (
+        "configs/gpu_8b_tp2_pp2_sp.yaml",
+        4,
+        ["parallel.pp=1", "parallel.distributed_optimizer=true"],
+    ),
+    "4gpu_8b32l_pp2_dp2": (
+        "configs/gpu_8b_tp2_pp2_sp.yaml",
+        4,
+        ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.distributed_optimizer=true"],
+    ),
+    "4gpu_8b32l_dp4": (
+        "configs/gpu_8b_tp2_pp2_sp.yaml",
+        4,
+        ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false", "parallel.distributed_optimizer=true"],
+    ),
     "4gpu_tinyllama_tp2pp2": (
         "configs/gpu_1b_tp2_pp2.yaml",
         4,
@@ -83,6 +119,7 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
 _COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
 _CCE = ["loss.impl=cce"]
 _SPARSE = ["sparsity.enabled=true"]
+_FP8 = ["train.fp8=tensorwise"]  # issue 33's fp8 GEMMs: a mode whose key this checkout lacks is reported, not fatal
 MODES: dict[str, list[str]] = {
     "dense": [],
     "cce": _CCE,
@@ -91,17 +128,27 @@ MODES: dict[str, list[str]] = {
     "collider+cce": _COLLIDER + _CCE,
     "collider+2:4": _COLLIDER + _SPARSE,
     "all three": _COLLIDER + _CCE + _SPARSE,
+    "fp8": _FP8,
+    "collider+fp8": _COLLIDER + _FP8,
+    "all four": _COLLIDER + _CCE + _SPARSE + _FP8,
 }
 EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense step with each loss pinned, and eager
-    "loss=torch": ["loss.impl=torch"],
+    "loss=materialized": ["loss.impl=materialized"],
     "loss=mcore": ["loss.impl=mcore"],
     "cce/scratch224": _CCE + ["loss.cce_scratch_mb=224"],  # P up to 224 MB, not 56 (decision 0206)
     "dense/eager": ["train.cuda_graphs=false"],
     "collider/eager": _COLLIDER + ["train.cuda_graphs=false"],
     "loss_mask": ["filter.mode=loss_mask", "filter.keep_ratio=0.6", "filter.scorer=loss"],
+    "dense/recompute-selective": ["model.recompute=selective"],  # activation recompute (decision 0012)
+    "dense/recompute-full": ["model.recompute=full"],
+    "collider/recompute-full": _COLLIDER + ["model.recompute=full"],
 }
 ALL_MODES = {**MODES, **EXTRA_MODES}
 ANCHOR = "mcore-sdpa"
+# torchtitan (bf16, float8) and megatron-core, each optional (--anchors); torchtitan first: megatron-core's anchor
+# leaves memory behind (bench_trainer: ~10 GiB on TinyLlama) that torchtitan's unsharded-activation step would lack
+ANCHORS = (*titan_anchor.CASES, ANCHOR)
+TITAN_LAYOUTS = ("1gpu_8b4l", "4gpu_8b32l")  # where --anchors defaults to all three
 
 
 def count_host_syncs(step) -> int:
@@ -130,9 +177,12 @@ def mode_overrides(mode: str) -> list[str]:
     return ALL_MODES[mode]
 
 
-def open_layout(tool: str, layout: str, overrides: list[str], modes: list[str]):
+def open_layout(tool: str, layout: str, overrides: list[str], modes: list[str], bad_modes: dict | None = None):
     """The layout's base config and every mode's, validated before any process group exists, then the groups:
-    (config path, base overrides, base config, world, device, device string); None after a one-line error."""
+    (config path, base overrides, base config, world, device, device string); None after a one-line error.
+
+    With ``bad_modes`` (a dict) a mode whose config does not validate is recorded there (mode -> error) and left
+    out instead of ending the run: ``fp8`` on a checkout without ``train.fp8``, say."""
     cfg_path, gpus, layout_ov = LAYOUTS[layout]
     world = state.world_env()[1]
     if world != gpus:
@@ -146,11 +196,19 @@ def open_layout(tool: str, layout: str, overrides: list[str], modes: list[str]):
     try:
         base = load_config(str(ROOT / cfg_path), base_ov)
         base.validate(world)
-        for m in modes:
-            load_config(str(ROOT / cfg_path), base_ov + mode_overrides(m)).validate(world)
     except ConfigError as e:
         print(f"{tool}: error: {e}", file=sys.stderr)
         return None
+    for m in modes:
+        try:
+            load_config(str(ROOT / cfg_path), base_ov + mode_overrides(m)).validate(world)
+        except ConfigError as e:
+            if bad_modes is None:
+                print(f"{tool}: error: {e}", file=sys.stderr)
+                return None
+            bad_modes[m] = f"ConfigError: {e}"
+            if state.world_env()[0] == 0:
+                print(f"{tool}: mode {m!r} skipped: {e}", file=sys.stderr)
     p = base.parallel
     state.init(p.tp, p.pp, p.sequence_parallel, p.backend)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -158,15 +216,37 @@ def open_layout(tool: str, layout: str, overrides: list[str], modes: list[str]):
     return cfg_path, base_ov, base, world, dev, device
 
 
+def parse_anchors(a: argparse.Namespace) -> list[str] | None:
+    """``--anchors`` (default: all three on ``TITAN_LAYOUTS``, megatron-core elsewhere); None after an error."""
+    text = a.anchors if a.anchors is not None else ",".join(ANCHORS if a.layout in TITAN_LAYOUTS else (ANCHOR,))
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in ANCHORS]
+    if bad:
+        print(f"bench_e2e: unknown anchors {bad}; use {list(ANCHORS)} (or --anchors '' for none)", file=sys.stderr)
+        return None
+    return names
+
+
+def time_case(name: str, cfg, a: argparse.Namespace) -> dict:
+    """One case's timed run: a torchtitan anchor, megatron-core's, or megasparse in a mode."""
+    if name in titan_anchor.CASES:
+        fp8_ag = a.titan_fp8_allgather == "on"
+        return titan_anchor.run_case(cfg, name, a.warmup, a.steps, count_host_syncs, a.titan_ac, fp8_ag)
+    return run_mode(cfg, ANCHOR if name == ANCHOR else "megasparse", bt.warmup_steps(cfg, a.warmup), a.steps)
+
+
 def run(a: argparse.Namespace) -> int:
     modes = [m for m in a.modes.split(",") if m]
-    opened = open_layout("bench_e2e", a.layout, a.overrides, modes)
+    anchors = parse_anchors(a)
+    bad_modes: dict[str, str] = {}
+    opened = None if anchors is None else open_layout("bench_e2e", a.layout, a.overrides, modes, bad_modes)
     if opened is None:
         return 2
     cfg_path, base_ov, base, world, dev, device = opened
     p = base.parallel
     vocab_padded = base.padded_vocab(bt.build_data(base)[2])
     m = base.model
+    call = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # which rows shared a call, once JSONs are merged
     report: dict = {
         "device": device,
         "layout": a.layout,
@@ -174,82 +254,150 @@ def run(a: argparse.Namespace) -> int:
         "overrides": base_ov,
         "shape": f"{m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/"
         f"{m.num_query_groups or m.num_attention_heads}, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, "
-        f"seq {m.seq_length}, tp {p.tp} pp {p.pp}{' +SP' if p.sequence_parallel else ''}, "
-        f"global batch {base.train.global_batch_size}",
+        f"seq {m.seq_length}, tp {p.tp} pp {p.pp}{' +SP' if p.sequence_parallel else ''}"
+        f"{f' dp {world // (p.tp * p.pp)}' if world > p.tp * p.pp else ''}"
+        f"{' +distopt' if p.distributed_optimizer else ''}, global batch {base.train.global_batch_size}",
         "torch": torch.__version__,
+        "call": call,
         "cases": [],
     }
-    ok = True
+    out = Path(a.out_dir) / f"e2e_{a.layout}.json"
+    old = json.loads(out.read_text()) if a.append and out.exists() else None  # read before this call writes it
+    ok = not bad_modes
     warm_gpu(a.gpu_warmup_s, dev)
     report["drift"] = {}
     for mb in [int(x) for x in a.micro.split(",")]:
         mb_ov = [f"train.micro_batch_size={mb}"]
         repeat = a.repeat and "dense" in modes and len(modes) > 1
-        names = [ANCHOR] + modes + ([ANCHOR, "dense"] if repeat else [])
+        names = anchors + modes + ([x for x in (ANCHOR, "dense") if x in anchors + modes] if repeat else [])
         seen: set[str] = set()
         mb_cases: list[dict] = []
+        errors: list[dict] = []  # after the micro-batch's timed rows
         for name in names:
             again = name in seen
             seen.add(name)
-            impl = ANCHOR if name == ANCHOR else "megasparse"
-            cfg = load_config(str(ROOT / cfg_path), base_ov + mb_ov + ([] if name == ANCHOR else mode_overrides(name)))
-            bt.log0(f"--- {name}{' (again)' if again else ''} micro_batch_size={mb} ---")
-            if impl == ANCHOR and dev.type != "cuda":  # a CPU run (smoke test of a layout): megasparse rows only
+            if name in bad_modes:
                 if not again:
-                    report["cases"].append({"mode": name, "micro_batch_size": mb, "error": "needs CUDA (skipped)"})
+                    errors.append({"mode": name, "micro_batch_size": mb, "error": bad_modes[name]})
+                continue
+            cfg = load_config(str(ROOT / cfg_path), base_ov + mb_ov + ([] if name in ANCHORS else mode_overrides(name)))
+            bt.log0(f"--- {name}{' (again)' if again else ''} micro_batch_size={mb} ---")
+            if name in ANCHORS and dev.type != "cuda":  # a CPU run (smoke test of a layout): megasparse rows only
+                if not again:
+                    errors.append({"mode": name, "micro_batch_size": mb, "error": "needs CUDA (skipped)"})
                 continue
             try:
-                r = run_mode(cfg, impl, bt.warmup_steps(cfg, a.warmup), a.steps)
+                r = time_case(name, cfg, a)
             except Exception as e:  # an OOM is itself a result; keep going
                 traceback.print_exc()
                 bt._free()
                 if not again:
-                    report["cases"].append({"mode": name, "micro_batch_size": mb, "error": f"{type(e).__name__}: {e}"})
+                    errors.append({"mode": name, "micro_batch_size": mb, "error": f"{type(e).__name__}: {e}"})
                 ok = False
                 continue
-            times = bt.gather_floats(r["times"], dev)
-            mems = [x[0] for x in bt.gather_floats([r["mem_gib"]], dev)]
-            syncs = [x[0] for x in bt.gather_floats([float(r["host_syncs"] or 0)], dev)]
-            row = bt.summarize(cfg, impl, vocab_padded, times, mems, world)
-            case = {
-                "mode": name,
-                "micro_batch_size": mb,
-                "step_ms": row["step_ms"],
-                "mfu": row["mfu"],
-                "tflops_per_gpu": row["tflops_per_gpu"],
-                "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
-                "mem_gib": row["mem_gib_max_rank"],
-                "leftover_gib": max(x[0] for x in bt.gather_floats([r["leftover_gib"]], dev)),
-                "graph_pool_gib": max(x[0] for x in bt.gather_floats([r["graph_pool_gib"]], dev)),
-                "optim_state_gib": max(x[0] for x in bt.gather_floats([r["optim_state_gib"]], dev)),
-                "host_syncs_per_step": max(syncs),
-                "step_ms_per_rank": row["step_ms_per_rank"],
-                "step_ms_spread": row["step_ms_spread"],
-                "losses": r["losses"],
-                "again": again,
-            }
+            case = case_row(cfg, name, r, vocab_padded, world, dev)
+            case["call"], case["again"] = call, again
             ok &= all(math.isfinite(x) for x in r["losses"])
             mb_cases.append(case)
             bt.log0(f"{name} mb={mb}: {case['step_ms']:.1f} ms, syncs {case['host_syncs_per_step']:.0f}")
+            write_report(out, report, old, mb_cases + errors, partial=True)  # a timed-out call leaves its rows
         report["drift"][str(mb)] = settle_ratios(mb_cases)
-        report["cases"] += [c for c in mb_cases if not c.pop("again")]
+        report["cases"] += [c for c in mb_cases if not c.pop("again")] + errors
     report["loss_auto"] = auto_choices()
-    out = Path(a.out_dir) / f"e2e_{a.layout}.json"
-    if a.append and out.exists():  # another micro-batch size measured in its own process (memory is clean there)
-        old = json.loads(out.read_text())
-        if old.get("device") == device:
-            mine = {(c["mode"], c["micro_batch_size"]) for c in report["cases"]}
-            kept = [c for c in old["cases"] if (c["mode"], c["micro_batch_size"]) not in mine]
-            report["cases"] = sorted(kept + report["cases"], key=lambda c: c["micro_batch_size"])
-            report["drift"] = {**old.get("drift", {}), **report["drift"]}
-            report["loss_auto"] = list(dict.fromkeys(old.get("loss_auto", []) + report["loss_auto"]))
-    report["table"] = format_table(report)
-    if dist.get_rank() == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1))
-        print(report["table"], flush=True)
+    write_report(out, report, old, [], partial=False)
     state.destroy()
     return 0 if ok else 1
+
+
+def case_row(cfg, name: str, r: dict, vocab_padded: int, world: int, dev: torch.device) -> dict:
+    """A timed case's JSON row: the slowest rank's median step, throughput, both MFUs, memory, syncs."""
+    times = bt.gather_floats(r["times"], dev)
+    mems = [x[0] for x in bt.gather_floats([r["mem_gib"]], dev)]
+    syncs = [x[0] for x in bt.gather_floats([float(r["after"] or 0)], dev)]
+    row = bt.summarize(cfg, name, vocab_padded, times, mems, world)
+    peak = peak_tflops(dev)
+    case = {
+        "mode": name,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "step_ms": row["step_ms"],
+        "mfu": row["mfu"],
+        "mfu_titan_formula": row["tokens_per_s_per_gpu"] * titan_anchor.titan_flops_per_token(cfg.model) / 1e12 / peak
+        if peak
+        else None,
+        "tflops_per_gpu": row["tflops_per_gpu"],
+        "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
+        "mem_gib": row["mem_gib_max_rank"],
+        "mem_gib_per_rank": row["mem_gib_per_rank"],
+        "leftover_gib": max(x[0] for x in bt.gather_floats([r["leftover_gib"]], dev)),
+        "graph_pool_gib": max(x[0] for x in bt.gather_floats([r["graph_pool_gib"]], dev)),
+        "optim_state_gib": max(x[0] for x in bt.gather_floats([r["optim_state_gib"]], dev)),
+        "host_syncs_per_step": max(syncs),
+        "step_ms_per_rank": row["step_ms_per_rank"],
+        "step_ms_spread": row["step_ms_spread"],
+        "losses": r["losses"],
+    }
+    case.update({k: v for k, v in r.items() if k.startswith(("titan_", "warmup_"))})  # torchtitan's own facts
+    return case
+
+
+def merge_reports(old: dict, new: dict) -> dict:
+    """``new`` with ``old``'s rows of other (mode, micro-batch) pairs kept (same device: the caller checks)."""
+    rep = dict(new)
+    mine = {(c["mode"], c["micro_batch_size"]) for c in new["cases"]}
+    kept = [c for c in old["cases"] if (c["mode"], c["micro_batch_size"]) not in mine]
+    rep["cases"] = sorted(kept + new["cases"], key=lambda c: c["micro_batch_size"])
+    rep["drift"] = {**old.get("drift", {}), **new.get("drift", {})}
+    rep["loss_auto"] = list(dict.fromkeys(old.get("loss_auto", []) + new.get("loss_auto", [])))
+    rep["calls"] = list(dict.fromkeys(old.get("calls", [old.get("call")]) + [new.get("call")]))
+    return rep
+
+
+def write_report(out: Path, report: dict, old: dict | None, pending: list[dict], partial: bool) -> None:
+    """Rank 0 writes the JSON: this call's rows (plus ``pending``, the current micro-batch's so far), merged into
+    ``old`` (``--append``: same device, rows of this call replace equal (mode, micro-batch) rows), with the ratios
+    against torchtitan and the table. Written after every case (``partial``) and at the end."""
+    now = [{k: v for k, v in c.items() if k != "again"} for c in pending if not c.get("again")]
+    rep = {**report, "cases": report["cases"] + now, "partial": partial}
+    if old is not None and old.get("device") == rep["device"]:
+        rep = merge_reports(old, rep)
+    titan_ratios(rep["cases"])
+    rep["table"] = format_table(rep)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rep, indent=1))
+        if not partial:
+            print(rep["table"], flush=True)
+
+
+def merge_files(paths: list[str], out_dir: str) -> int:
+    """``--merge``: JSONs of one layout and device from several calls (later files' rows win) into one, with the
+    ratios against torchtitan recomputed across them (``titan_other_call`` flags those)."""
+    reps = [json.loads(Path(x).read_text()) for x in paths]
+    keys = {(r["layout"], r["device"]) for r in reps}
+    if len(keys) != 1:
+        print(f"bench_e2e: --merge needs one layout on one device, got {sorted(keys)}", file=sys.stderr)
+        return 2
+    merged = reps[0]
+    for r in reps[1:]:
+        merged = merge_reports(merged, r)
+    out = Path(out_dir) / f"e2e_{merged['layout']}.json"
+    write_report(out, {**merged, "cases": merged["cases"]}, None, [], partial=False)
+    print(out)
+    return 0
+
+
+def titan_ratios(cases: list[dict]) -> None:
+    """Each row's step time over torchtitan's (bf16 and float8) at the same micro-batch, where that ran; rows of
+    another call (``call`` differs, after ``--append``) are compared too and flagged ``titan_other_call``."""
+    for c in cases:
+        for name, key in (("torchtitan-bf16", "ratio_vs_titan_bf16"), ("torchtitan-fp8", "ratio_vs_titan_fp8")):
+            t = next((x for x in cases if x["mode"] == name and x["micro_batch_size"] == c["micro_batch_size"]), None)
+            ok = t is not None and "error" not in t and "error" not in c
+            c.pop(key, None)
+            if ok:
+                c[key] = c["step_ms"] / t["step_ms"]
+                if t.get("call") != c.get("call"):
+                    c["titan_other_call"] = True
 
 
 def auto_choices() -> list[str]:
@@ -289,7 +437,7 @@ def settle_ratios(mb_cases: list[dict]) -> dict:
     for c in mb_cases:
         c["anchor_step_ms"] = anchor_ms
         c["ratio_vs_anchor"] = c["step_ms"] / anchor_ms if anchor_ms else None
-        c["ratio_vs_dense"] = c["step_ms"] / dense_ms if dense_ms and c["mode"] != ANCHOR else None
+        c["ratio_vs_dense"] = c["step_ms"] / dense_ms if dense_ms and c["mode"] not in ANCHORS else None
     drift = {"anchor_runs_ms": anchor_runs, "dense_runs_ms": dense_runs}
     for name, runs in (("anchor", anchor_runs), ("dense", dense_runs)):
         if len(runs) > 1:
@@ -301,25 +449,30 @@ def settle_ratios(mb_cases: list[dict]) -> dict:
 
 def format_table(report: dict) -> str:
     head = (
-        f"{'mode':<14} {'mb':>3} {'step ms':>9} {'vs mcore':>9} {'vs dense':>9} {'MFU':>6} {'tok/s/GPU':>9} "
-        f"{'mem GiB':>8} {'optim GiB':>9} {'syncs':>6}"
+        f"{'mode':<16} {'mb':>3} {'step ms':>9} {'vs mcore':>9} {'vs dense':>9} {'vs tt-bf16':>10} {'vs tt-fp8':>9} "
+        f"{'MFU':>6} {'tok/s/GPU':>9} {'mem GiB':>8} {'optim GiB':>9} {'syncs':>6}"
     )
     lines = [f"e2e | {report['device']} | {report['layout']}: {report['shape']}", head, "-" * len(head)]
     for c in report["cases"]:
         if "error" in c:
-            lines.append(f"{c['mode']:<14} {c['micro_batch_size']:>3} {c['error'][:90]}")
+            lines.append(f"{c['mode']:<16} {c['micro_batch_size']:>3} {c['error'][:100]}")
             continue
 
-        def f(x, spec):
+        def f(key, spec, c=c):
+            x = c.get(key)
             return format(x, spec) if x is not None else f"{'-':>{spec.split('.')[0]}}"
 
-        mfu = f"{100 * c['mfu']:5.1f}%" if c["mfu"] is not None else f"{'-':>6}"
+        mfu = f"{100 * c['mfu']:5.1f}%" if c.get("mfu") is not None else f"{'-':>6}"
         lines.append(
-            f"{c['mode']:<14} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {f(c['ratio_vs_anchor'], '9.3f')} "
-            f"{f(c['ratio_vs_dense'], '9.3f')} {mfu} {f(c.get('tokens_per_s_per_gpu'), '9.0f')} {c['mem_gib']:8.2f} "
-            f"{f(c.get('optim_state_gib'), '9.2f')} {c['host_syncs_per_step']:6.0f}"
+            f"{c['mode']:<16} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {f('ratio_vs_anchor', '9.3f')} "
+            f"{f('ratio_vs_dense', '9.3f')} {f('ratio_vs_titan_bf16', '10.3f')} {f('ratio_vs_titan_fp8', '9.3f')} "
+            f"{mfu} {f('tokens_per_s_per_gpu', '9.0f')} {c['mem_gib']:8.2f} {f('optim_state_gib', '9.2f')} "
+            f"{c['host_syncs_per_step']:6.0f}"
         )
-    lines.append(f"vs mcore: step time / megatron-core dense ({ANCHOR}) at the same micro-batch (< 1: faster)")
+    lines.append(
+        f"vs mcore, vs tt-bf16, vs tt-fp8: step time / megatron-core's ({ANCHOR}), torchtitan's bf16, its float8 step "
+        "at the same micro-batch (< 1: faster)"
+    )
     lines += report.get("loss_auto", [])
     return "\n".join(lines)
 
@@ -359,6 +512,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every case")
     p.add_argument("--micro", default="1,2")
     p.add_argument("--modes", default=",".join(MODES))
+    anchors_help = f"subset of {ANCHORS} (default: all on {TITAN_LAYOUTS}, {ANCHOR} elsewhere; '' for none)"
+    p.add_argument("--anchors", default=None, help=anchors_help)
+    p.add_argument("--titan-ac", default="none", choices=titan_anchor.AC_MODES, help="torchtitan's recompute")
+    p.add_argument("--titan-fp8-allgather", default="on", choices=("on", "off"), help="torchtitan-fp8's FSDP gathers")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))
@@ -366,7 +523,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpu-warmup-s", type=float, default=45.0, help="GEMMs before the first case, to settle clocks")
     p.add_argument("--no-repeat", dest="repeat", action="store_false", help="skip re-timing anchor and dense last")
     p.add_argument("--plot", default=None, help="only plot this JSON to docs/img/e2e_<layout>.png")
-    return p.parse_args(argv)
+    p.add_argument("--merge", nargs="+", default=None, help="only merge these JSONs (one layout, several calls)")
+    return parse_with_overrides(p, argv)  # key=value anywhere on the line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot:
         print(plot(a.plot))
         return 0
+    if a.merge:
+        return merge_files(a.merge, a.out_dir)
     if a.layout is None:
         print(f"bench_e2e: name a layout: {list(LAYOUTS)}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ import bench_e2e as be  # noqa: E402
 import bench_trainer as bt  # noqa: E402
 
 from megasparse.config import load_config  # noqa: E402
+from megasparse.configbase import parse_with_overrides  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 from megasparse.train import Trainer  # noqa: E402
 
@@ -91,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(be.ROOT / "docs" / "benchmarks" / "data")))
-    return p.parse_args(argv)
+    return parse_with_overrides(p, argv)  # key=value anywhere on the line
 
 
 def _split_pair(text: str) -> tuple[str, str]:

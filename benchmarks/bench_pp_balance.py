@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_trainer import _free, _peak_gib, _reset_peak, _sync, gather_floats, log0  # noqa: E402
 
 from megasparse.config import Config, ConfigError, load_config  # noqa: E402
+from megasparse.configbase import parse_with_overrides  # noqa: E402
 from megasparse.parallel import planner, state  # noqa: E402
 from megasparse.train import Trainer  # noqa: E402
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "runs"), "bench_pp_balance.json"))
-    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    a = parse_with_overrides(p, list(sys.argv[1:] if argv is None else argv))
     cases = [c for c in a.cases.split(",") if c]
     world = state.world_env()[1]
     try:

@@ -33,10 +33,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megasparse.config import Config, ConfigError, load_config  # noqa: E402
-from megasparse.data.dataset import batch_iterator  # noqa: E402
+from megasparse.configbase import parse_with_overrides  # noqa: E402
+from megasparse.data.dataset import batch_iterator, build_data  # noqa: E402
 from megasparse.metrics import flops_per_token, peak_tflops  # noqa: E402
 from megasparse.parallel import comm, state  # noqa: E402
-from megasparse.train import Trainer, build_data  # noqa: E402
+from megasparse.train import Trainer  # noqa: E402
 
 IMPLS = ("megasparse", "mcore-sdpa", "mcore-local")
 
@@ -314,7 +315,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--check-tol", type=float, default=0.1, help="max centered relative loss error (bf16)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "runs"), "bench_trainer.json"))
     p.add_argument("--profile", default=None, help="write per-implementation profiler tables here")
-    return p.parse_args(argv)
+    return parse_with_overrides(p, argv)  # key=value anywhere on the line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ import bench_e2e as be  # noqa: E402
 import bench_trainer as bt  # noqa: E402
 
 from megasparse.config import load_config  # noqa: E402
+from megasparse.configbase import parse_with_overrides  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 from megasparse.train import Trainer  # noqa: E402
 
@@ -109,7 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpu-warmup-s", type=float, default=10.0, help="GEMMs before the first case, to settle clocks")
     p.add_argument("--tag", default="", help="suffix of the JSON's name: profile_<layout>_<tag>.json")
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(be.ROOT / "docs" / "benchmarks" / "data")))
-    return p.parse_args(argv)
+    return parse_with_overrides(p, argv)  # key=value anywhere on the line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megasparse.configbase import ConfigError
 from megasparse.parallel import comm, state
 from megasparse.parallel.shards import global_name, placement
+from megasparse.rundir import StorageError, storage_error
 
 _STEP = re.compile(r"^step-(\d+)$")
 CHECKSUMS = "checksums.json"
@@ -83,10 +84,17 @@ def write_checksums(ckpt_dir: Path) -> None:
     (ckpt_dir / CHECKSUMS).write_text(json.dumps(sums, indent=0))
 
 
+_verified: set[tuple] = set()  # checkpoints this process verified, with every file's (name, size, mtime)
+
+
 def verify_checksums(ckpt_dir: Path) -> None:
     """One-line ConfigError naming the first missing or corrupted file; silent for pre-checksum saves."""
     f = ckpt_dir / CHECKSUMS
     if not f.exists():
+        return
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt_dir.iterdir() if p.is_file())
+    key = (str(Path(ckpt_dir).resolve()), tuple(files))
+    if key in _verified:  # resume=auto verified it a moment ago: one CRC pass per resume, not two
         return
     for name, want in json.loads(f.read_text()).items():
         p = ckpt_dir / name
@@ -98,6 +106,7 @@ def verify_checksums(ckpt_dir: Path) -> None:
                 f"checkpoint {ckpt_dir} is corrupted: {name} has CRC32 {got}, saved as {want}; "
                 "resume from an earlier step-N"
             )
+    _verified.add(key)
 
 
 def all_finite(sd: dict) -> bool:
@@ -270,14 +279,27 @@ def valid_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 def resume_target(resume: str | None, out_dir: str | os.PathLike, log=print) -> str | None:
     """``checkpoint.resume`` as a path: ``auto`` is the latest valid checkpoint of ``out_dir``, or None (fresh
-    start, said in one line) so one command serves the first launch and every torchrun restart."""
+    start, said in one line) so one command serves the first launch and every torchrun restart. A checkpoint that
+    fails its checksums (corrupted, a file missing) is skipped with one line and the next newest is taken."""
     if resume != "auto":
         return resume
     found = valid_checkpoints(Path(out_dir) / "checkpoints")
-    if not found:
-        log(f"checkpoint.resume=auto: no checkpoint in {Path(out_dir) / 'checkpoints'}; starting from step 0")
-        return None
-    return str(found[-1])
+    for p in reversed(found):
+        try:
+            verify_checksums(p)
+        except ConfigError as e:
+            log(f"checkpoint.resume=auto: skipping {p.name}: {e}")
+            continue
+        return str(p)
+    none = "no valid checkpoint" if found else "no checkpoint"
+    log(f"checkpoint.resume=auto: {none} in {Path(out_dir) / 'checkpoints'}; starting from step 0")
+    return None
+
+
+def saved_step(where: Path) -> int:
+    """The step of a ``step-N`` directory."""
+    m = _STEP.match(Path(where).name)
+    return int(m[1]) if m else -1
 
 
 def set_aside_newer(where: Path) -> list[tuple[str, Path]]:
@@ -315,8 +337,22 @@ def resolve_resume(path: str) -> Path:
     )
 
 
-def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict, keep_last: int = 2) -> Path | None:
-    """Atomic sharded save; None (nothing written) when any rank's state holds a non-finite value."""
+def _all_ok(ok: bool) -> bool:
+    """True on every rank when every rank's ``ok`` is true."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    t = torch.tensor([0.0 if ok else 1.0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    with comm.phase("checkpoint"):
+        comm.all_reduce(t, None, "world", op=dist.ReduceOp.MAX, region="checkpoint.ok")
+    return bool(t.item() == 0)
+
+
+def save(
+    root: str | os.PathLike, step: int, model, optimizer, extra: dict, keep_last: int = 2, run: dict | None = None
+) -> Path | None:
+    """Atomic sharded save; None (nothing written) when any rank's state holds a non-finite value. ``run``: the
+    settings a resume compares (runguard.run_record), kept in layout.json. A write that fails (disk full, EFBIG,
+    read-only) removes the partial ``.tmp-step-N`` and raises one StorageError line on every rank."""
     root = Path(root)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -325,20 +361,42 @@ def save(root: str | os.PathLike, step: int, model, optimizer, extra: dict, keep
     tensors, _ = _collect(model, optimizer, extra, lay)
     if not all_finite({k: t for k, (t, _) in tensors.items()}):  # never write, or rotate in, a NaN checkpoint
         return None
+    err: BaseException | None = None
     if rank0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            err = e
     if dist.is_initialized():
         dist.barrier()
     # DP replicas are identical: only DP rank 0 writes; TP-replicated tensors (norms, scalars) only TP rank 0
     mine = {} if lay.dp_rank else {k: v for k, v in tensors.items() if lay.tp_rank == 0 or not v[1].replicated}
-    dcp.save({k: t for k, (t, _) in mine.items()}, checkpoint_id=str(tmp), planner=_SavePlanner(mine))
+    if _all_ok(err is None):
+        try:
+            dcp.save({k: t for k, (t, _) in mine.items()}, checkpoint_id=str(tmp), planner=_SavePlanner(mine))
+        except _LOAD_ERRORS as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
+            err = e
     if dist.is_initialized():
         dist.barrier()
+    if rank0 and err is None:
+        try:
+            record = {"format": FORMAT, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model": model_shape(model)}
+            if run is not None:
+                record["run"] = run
+            (tmp / LAYOUT).write_text(json.dumps(record))
+            write_checksums(tmp)
+        except OSError as e:
+            err = e
+    if not _all_ok(err is None):  # nothing renamed: the previous checkpoint is untouched
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise (
+            storage_error(root, tmp, err, _one_line(err))
+            if err is not None
+            else StorageError(f"cannot write the checkpoint {tmp}: another rank's write failed (rank 0 names it)")
+        )
     if rank0:
-        record = {"format": FORMAT, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "model": model_shape(model)}
-        (tmp / LAYOUT).write_text(json.dumps(record))
-        write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

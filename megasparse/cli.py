@@ -20,6 +20,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "profile-comm": ("megasparse.profile.cli", "main", "record every collective/P2P of a few steps"),
     "plan": ("megasparse.parallel.planner", "main", "pipeline layer-split planner with loss/embedding cost"),
     "sparsity": ("megasparse.sparse24.cli", "main", "2:4 tools: `sparsity decay-search` (decay factor)"),
+    "hf": ("megasparse.hf.cli", "main", "Hugging Face Llama/Qwen2: `hf import HF_DIR OUT` / `hf export CKPT OUT`"),
+    "eval": ("megasparse.hf.inference", "eval_main", "loss and perplexity: megasparse eval MODEL --data PREFIX"),
+    "generate": ("megasparse.hf.inference", "generate_main", "megasparse generate MODEL --prompt(-ids) ..."),
 }
 
 

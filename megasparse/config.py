@@ -52,6 +52,15 @@ class TrainConfig:
     step). CUDA runs whose step reads nothing on the host; megasparse/cudagraph.py says which stay eager and why."""
     max_skipped_steps: int = 10
     """Stop (exit 2) after this many consecutive steps with a non-finite loss or gradient norm; each is skipped."""
+    fp8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """fp8 GEMMs for qkv, proj, fc1 and fc2 (megasparse/fp8/, decision 1000): e4m3 activations and weights, e5m2
+    gradients, scales from each operand's current amax (one per tensor, or per row along each GEMM's reduction).
+    The output layer and the loss stay bf16; 2:4 fc1/fc2 run fp8 GEMMs on their masked weights W ⊙ M (decision
+    1001). Needs sm_89+ on CUDA; on CPU it runs an exact emulation (for tests)."""
+    fp8_min_mnk: float = 4.0e10
+    """On CUDA a linear runs fp8 only when rows · out · in of its smallest GEMM (the backward's kept rows under
+    collider) reaches this: below it the casts cost more than the fp8 GEMM saves (H100 measurements, decision
+    1001); 0: every linear."""
 
 
 @dataclass
@@ -80,6 +89,15 @@ class CheckpointConfig:
     """Directory to resume from: a run's out_dir (latest step) or one step-N directory; ``auto``: the latest
     valid checkpoint of logging.out_dir, else a fresh start (one command for the first launch and restarts)."""
     keep_last: int = 2
+    signal: str | None = "SIGUSR1"
+    """A signal that, like SIGTERM and SIGINT, saves a checkpoint at the next step boundary and stops (exit 75):
+    what Slurm's ``--signal`` sends before the time limit (launch/slurm/train.sbatch); none: only TERM/INT."""
+    accept_changes: bool = False
+    """Resume even when the data order or optimisation settings differ from the checkpoint's (data.*, filter.*,
+    optim.*, model.seq_length, train.global_batch_size, train.seed); off: such a resume is refused in one line."""
+    init_from: str | None = None
+    """Start at step 0 (fresh optimizer and data order) from these weights: a Hugging Face model directory
+    (Llama, Qwen2; see ``megasparse hf import``) or a megasparse checkpoint, at any tp/pp/dp layout."""
 
 
 @dataclass
@@ -92,6 +110,9 @@ class LoggingConfig:
     """Also write the metrics with TensorBoard's SummaryWriter (<out_dir>/tensorboard; needs the package)."""
     wandb_project: str | None = None
     """Also log the metrics to this Weights & Biases project (needs the wandb package)."""
+    previous_run: Literal["refuse", "move_aside"] = "refuse"
+    """A fresh run (no checkpoint.resume) into an out_dir holding another run's checkpoints or metrics: refuse
+    (one line), or move them into ``<out_dir>/previous-<time>/`` (nothing is deleted)."""
 
 
 @dataclass
@@ -109,8 +130,10 @@ class Config:
     filter: FilterConfig = field(default_factory=FilterConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
 
-    def validate(self, world_size: int) -> int:
-        """Check everything that can be checked without a process group; return the DP size."""
+    def validate(self, world_size: int, devices: bool = True) -> int:
+        """Check everything that can be checked without a process group; return the DP size. ``devices=False``
+        skips what depends on this machine (CUDA present, the output directory writable): `megasparse plan` is
+        arithmetic about a run on other machines."""
         m, p, t = self.model, self.parallel, self.train
         m.validate()
         dp = p.validate(world_size, m.num_layers, m.seq_length)
@@ -137,7 +160,7 @@ class Config:
             )
         if self.optim.warmup_steps < 0 or self.optim.lr <= 0:
             raise ConfigError("optim.lr must be > 0 and optim.warmup_steps >= 0")
-        self._validate_operations()
+        self._validate_operations(devices)
         self.data.validate()
         self.loss.validate()
         self.filter.validate()
@@ -147,7 +170,14 @@ class Config:
         if self.loss.impl == "mcore" and self.filter.mode == "collider":
             raise ConfigError(
                 "loss.impl=mcore has a dense backward, so filter.mode=collider cannot compact it; "
-                "use loss.impl=cce or torch, or filter.mode=loss_mask"
+                "use loss.impl=cce or materialized, or filter.mode=loss_mask"
+            )
+        untied_only = p.distributed_optimizer or p.virtual_stages > 1 or self.loss.vocab_over_pp
+        if m.tie_embeddings and p.pp > 1 and untied_only:
+            raise ConfigError(
+                "model.tie_embeddings=true under parallel.pp > 1 sums the two stages' copies' gradients over an "
+                "embedding group, implemented without parallel.distributed_optimizer, parallel.virtual_stages or "
+                "loss.vocab_over_pp; turn those off or use parallel.pp=1"
             )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")
@@ -169,7 +199,7 @@ class Config:
             )
         return dp
 
-    def _validate_operations(self) -> None:
+    def _validate_operations(self, devices: bool = True) -> None:
         """Values that used to crash mid-run (ZeroDivisionError, val NaN) or be silently accepted."""
         t, o, lg = self.train, self.optim, self.logging
         for name, v in (("grad_clip", o.grad_clip), ("weight_decay", o.weight_decay), ("min_lr", o.min_lr)):
@@ -186,6 +216,8 @@ class Config:
             raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
         if self.checkpoint.keep_last < 0 or self.checkpoint.save_interval < 0:
             raise ConfigError("checkpoint.keep_last and checkpoint.save_interval must be >= 0")
+        if not devices:
+            return
         import torch
 
         if not torch.cuda.is_available():
@@ -193,9 +225,19 @@ class Config:
                 raise ConfigError("train.device=cuda but CUDA is not available here; use train.device=cpu or auto")
             if self.parallel.backend == "nccl":
                 raise ConfigError("parallel.backend=nccl needs CUDA, which is not available here; use gloo or auto")
+        if t.fp8 != "off" and t.device != "cpu" and torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability()
+            if cap < (8, 9):
+                raise ConfigError(
+                    f"train.fp8={t.fp8} needs fp8 GEMMs (sm_89+: Ada, Hopper); this GPU is sm_{cap[0]}{cap[1]}: "
+                    "set train.fp8=off"
+                )
         if t.device == "cpu" and self.parallel.backend == "nccl":
             raise ConfigError("parallel.backend=nccl cannot carry train.device=cpu tensors; use gloo or auto")
         writable_dir(lg.out_dir, "logging.out_dir")
+        from megasparse.preempt import signal_number
+
+        signal_number(self.checkpoint.signal)
 
     def dist_backend(self) -> str:
         """``parallel.backend`` with auto resolved for this run: gloo whenever ``train.device=cpu`` (NCCL cannot carry
@@ -236,8 +278,16 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file '{path}' does not exist; see configs/ for examples")
+        if p.is_dir():
+            raise ConfigError(f"config file '{path}' is a directory; give a YAML file (see configs/)")
         try:
-            data = yaml.safe_load(p.read_text())
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}); give a YAML file") from e
+        except OSError as e:
+            raise ConfigError(f"config file '{path}' cannot be read: {e.strerror or e}") from e
+        try:
+            data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
         if data is None:  # an empty file is almost always a mistake (wrong path, truncated copy)

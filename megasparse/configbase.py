@@ -7,8 +7,10 @@ module only knows how to turn nested dicts into those dataclasses and report bad
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, TypeVar
@@ -96,6 +98,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
+def check_renamed(cls: type, key: str, value: Any, full: str) -> None:
+    """ConfigError naming the new spelling when ``value`` is one a section renamed (its ``RENAMED`` class attribute:
+    {field: {old value: new value}}): an old name fails with the fix rather than living on beside the new one."""
+    new = getattr(cls, "RENAMED", {}).get(key, {}).get(value) if isinstance(value, str) else None
+    if new is not None:
+        raise ConfigError(f"{full}={value} was renamed: use {full}={new}")
+
+
 def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     """Build dataclass ``cls`` from a nested dict, rejecting unknown keys with a suggestion."""
     hints = typing.get_type_hints(cls)
@@ -105,6 +115,7 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
         full = f"{path}.{key}" if path else key
         if key not in fields:
             raise ConfigError(f"unknown config key '{full}'{_suggest(key, list(fields))}")
+        check_renamed(cls, key, value, full)
         kwargs[key] = _coerce(value, hints[key], full)
     return cls(**kwargs)
 
@@ -142,3 +153,22 @@ def apply_override(data: dict, cls: type, dotted: str) -> None:
                 node[part] = {}
             node = node[part]
             node_cls = tp
+
+
+_OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
+
+
+def parse_with_overrides(
+    parser: argparse.ArgumentParser, argv: list[str], dest: str = "overrides"
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` that takes ``key.sub=value`` overrides anywhere on the line, also after options.
+
+    argparse fills a ``nargs="*"`` positional once, from the first run of positionals, so ``CONFIG --steps 4 a=1``
+    left ``a=1`` unrecognised. Here the leftovers that look like overrides are appended, in order, to ``dest`` (the
+    parser's own ``nargs="*"`` positional); anything else is still an error (exit 2 with argparse's usage line)."""
+    ns, rest = parser.parse_known_args(argv)
+    bad = [t for t in rest if not _OVERRIDE.match(t)]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    setattr(ns, dest, [*(getattr(ns, dest, None) or []), *rest])
+    return ns

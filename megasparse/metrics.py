@@ -48,6 +48,16 @@ def peak_mem_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def device_mem_gib(device: torch.device) -> float | None:
+    """The memory ``peak_mem_gib`` is a share of: the GPU's, or the host's physical memory on CPU (None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def strict_json(v):
     """``v`` with NaN/inf floats as None, so every line of metrics.jsonl is valid JSON."""
     if isinstance(v, float) and not math.isfinite(v):
@@ -147,18 +157,40 @@ class MetricsLog:
                 self.wandb.finish()
 
 
+def short_count(n: float) -> str:
+    """1234567 -> 1.23M: token counts on the console."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+def _hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 def format_line(rec: dict) -> str:
-    parts = [
-        f"step {rec['step']:>5d}",
-        f"loss {rec['loss']:.4f}",
-        f"gnorm {rec['grad_norm']:.3f}",
-        f"lr {rec['lr']:.2e}",
-        f"tok/s/gpu {rec['tokens_per_s']:,.0f}",
-        f"TFLOP/s/gpu {rec['tflops_per_gpu']:.1f}",
-    ]
+    """The console line of one step: where the run is (step N/T, ms per step, ETA, tokens seen), what the step did
+    (loss, gradient norm, lr, kept share when filtering, 2:4 phase) and what it cost (throughput, memory)."""
+    total = rec.get("steps_total")
+    parts = [f"step {rec['step']}/{total}" if total else f"step {rec['step']:>5d}"]
+    parts += [f"loss {rec['loss']:.4f}", f"gnorm {rec['grad_norm']:.3f}", f"lr {rec['lr']:.2e}"]
+    if rec.get("step_ms") is not None:
+        parts.append(f"{rec['step_ms']:,.0f} ms/step")
+    if rec.get("eta_s") is not None:
+        parts.append(f"ETA {_hms(rec['eta_s'])}")
+    if rec.get("tokens_seen") is not None:
+        parts.append(f"{short_count(rec['tokens_seen'])} tokens")
+    if rec.get("kept_share") is not None:
+        parts.append(f"kept {100 * rec['kept_share']:.0f}%")
+    if rec.get("sparse") is not None:
+        parts.append("2:4 sparse" if rec["sparse"] else "2:4 dense")
+    parts += [f"tok/s/gpu {rec['tokens_per_s']:,.0f}", f"TFLOP/s/gpu {rec['tflops_per_gpu']:.1f}"]
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
-    parts.append(f"mem {rec['mem_gib']:.2f} GiB")
+    share = rec.get("mem_share")
+    parts.append(f"mem {rec['mem_gib']:.2f} GiB" + (f" ({100 * share:.0f}%)" if share is not None else ""))
     if rec.get("flip_rate"):
         parts.append(f"flip {rec['flip_rate'].get('all', 0.0):.4f}")
     if rec.get("val_loss") is not None:
@@ -166,11 +198,36 @@ def format_line(rec: dict) -> str:
     return " | ".join(parts)
 
 
+class Progress:
+    """Per-step progress fields for the log line and metrics.jsonl: ms per step and the ETA from the median of the
+    last ``window`` steps (the first steps also capture CUDA graphs, time the loss and autotune 2:4 GEMMs, so a mean
+    would overstate the rest of the run)."""
+
+    def __init__(self, total_steps: int, window: int = 20):
+        self.total, self.window = total_steps, window
+        self.times: list[float] = []
+
+    def fields(
+        self, step: int, seconds: float, tokens_seen: int, kept_share: float | None = None
+    ) -> dict[str, float | int | None]:
+        """``step`` (1-based, done), its wall time, global tokens consumed so far, kept share of a filtered step."""
+        self.times = (self.times + [seconds])[-self.window :]
+        median = sorted(self.times)[(len(self.times) - 1) // 2]  # the lower one: a slow first step is not typical
+        return {
+            "steps_total": self.total,
+            "step_ms": 1e3 * seconds,
+            "eta_s": max(0, self.total - step) * median,
+            "tokens_seen": tokens_seen,
+            "kept_share": kept_share,
+        }
+
+
 def step_record(
     step: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float, flops_tok: float, peak, device
 ) -> dict:
     """The per-step metrics line (metrics.jsonl and the console): throughput per GPU, TFLOP/s, MFU, peak memory."""
     tflops = tokens_per_s * flops_tok / 1e12
+    mem, total = peak_mem_gib(device), device_mem_gib(device)
     return {
         "step": step,
         "loss": loss,
@@ -179,5 +236,6 @@ def step_record(
         "tokens_per_s": tokens_per_s,
         "tflops_per_gpu": tflops,
         "mfu": tflops / peak if peak else None,
-        "mem_gib": peak_mem_gib(device),
+        "mem_gib": mem,
+        "mem_share": mem / total if total else None,
     }

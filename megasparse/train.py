@@ -26,27 +26,22 @@ import torch
 import torch.distributed as dist
 
 from megasparse import checkpoint as ckpt
-from megasparse.config import Config, ConfigError, dump_config, load_config
+from megasparse import runguard
+from megasparse.banner import format_banner
+from megasparse.config import Config, dump_config, load_config
 from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
 from megasparse.data.dataset import build_data, iterate_batches
 from megasparse.guard import NonFiniteGuard
-from megasparse.metrics import MetricsLog, flops_per_token, format_line, peak_tflops, step_record
-from megasparse.model.builder import (
-    InferenceModel,
-    build_data_parallel,
-    build_model,
-    load_model_for_inference,
-    lr_at,
-    resolve_device,
-    resolve_dtype,
-)
+from megasparse.metrics import MetricsLog, Progress, flops_per_token, format_line, peak_tflops, step_record
+from megasparse.model.builder import build_model, resolve_device, resolve_dtype
+from megasparse.optim import build_data_parallel, lr_at
 from megasparse.parallel import state
 from megasparse.parallel.state import log0
-from megasparse.step.build import build_components, stage_comm
+from megasparse.step.build import build_components, init_weights, run_facts, stage_comm
 from megasparse.step.executor import ForwardBackward, global_mean
 
-__all__ = ["InferenceModel", "StepResult", "Trainer", "build_data", "load_model_for_inference", "main", "run_training"]
+__all__ = ["StepResult", "Trainer", "main", "run_training"]
 
 
 @dataclass
@@ -67,7 +62,8 @@ class Trainer:
         self.dp = cfg.validate(state.world_env()[1])
         self.train_ds, self.valid_ds, self.vocab = build_data(cfg)
         if init_groups:
-            state.init(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.sequence_parallel, cfg.dist_backend())
+            p = cfg.parallel
+            state.init(p.tp, p.pp, p.sequence_parallel, cfg.dist_backend(), p.timeout_minutes * 60)
         self.lay = state.layout()
         self.device = resolve_device(cfg)
         self.compute_dtype = resolve_dtype(cfg, self.device)
@@ -75,17 +71,17 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.vocab_padded = cfg.padded_vocab(self.vocab)
         self.model = build_model(cfg, self.vocab, device=self.device, compute_dtype=self.compute_dtype)
-        # the components (filter, 2:4, vocabulary over PP): each brings its hooks and its own reason graphs can't run
+        init_weights(cfg, self.model, self.vocab)  # checkpoint.init_from: before buckets and 2:4 masks read them
+        # the components (filter, 2:4, fp8, vocabulary over PP): each brings its hooks and why graphs can't run
         dev, dt, last = self.device, self.compute_dtype, self.lay.is_last_stage
-        parts = build_components(cfg, self.model, self.train_ds, self.vocab, dev, dt, last)
+        parts = self.parts = build_components(cfg, self.model, self.train_ds, self.vocab, dev, dt, last)
         self.filter, self.sparsity, self.vocab_pp = parts.filter, parts.sparsity, parts.vocab_pp
         self.graphs = CapturedSteps(cfg, self.lay.pp, dev, self.model, parts.for_capture())  # train.cuda_graphs
         # gradient buckets over DP and AdamW on them (sharded under parallel.distributed_optimizer): before the 2:4
         # converter, so its masks and operands see the parameters in their final dtype and storage
         self.dp_opt = build_data_parallel(self.model, cfg, dev, dt, eager=self.graphs.blocker is not None)
         self.optimizer = self.dp_opt.optimizer
-        if self.sparsity is not None:
-            self.sparsity.convert(self.model)
+        self.fp8 = parts.convert(cfg, self.model, dev)  # 2:4 FFNs, then train.fp8's GEMMs (on W ⊙ M where 2:4)
         self.dp_opt.keep_compute_copies()  # bf16 weights cast once per optimizer step, not per micro-batch
         self.num_mb = cfg.num_microbatches(self.dp)
         self.p2p = stage_comm(cfg, self.filter, dev, dt)
@@ -127,10 +123,9 @@ class Trainer:
             self.consumed += self.cfg.train.global_batch_size
             return StepResult(loss, gnorm, lr, tokens, time.perf_counter() - t0, {"skipped": self.guard.total})
         self.dp_opt.clip(gnorm, self.cfg.optim.grad_clip)
-        if self.sparsity is not None:
-            self.sparsity.pre_optimizer_step(self.dp_opt.optimizer)
-        self.dp_opt.step(wait=self.sparsity is not None)  # the 2:4 hooks read whole weights
-        extra = {} if self.sparsity is None else self.sparsity.post_optimizer_step(self.step + 1)
+        self.parts.pre_optimizer_step(self.dp_opt.optimizer)
+        self.dp_opt.step(wait=self.parts.reads_weights_after_step)  # 2:4 / fp8 hooks read whole weights
+        extra = self.parts.post_optimizer_step(self.step + 1)  # masks refreshed, fp8 copies remade
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.step += 1
@@ -153,11 +148,14 @@ class Trainer:
     def save(self) -> Path | None:
         with self.dp_opt.checkpoint_view() as opt:  # the plain AdamW structure, gathered over DP when sharded
             return ckpt.save(
-                self.out_dir / "checkpoints", self.step, self.model, opt, self._extra(), self.cfg.checkpoint.keep_last
-            )
+                self.out_dir / "checkpoints", self.step, self.model, opt, self._extra(), self.cfg.checkpoint.keep_last,
+                run=runguard.run_record(self.cfg),
+            )  # fmt: skip
 
-    def resume(self, path: str) -> None:
+    def resume(self, path: str, guard: runguard.RunGuard | None = None) -> None:
         where = ckpt.resolve_resume(path)
+        if guard is not None:
+            guard.check_resume(where, ckpt.saved_step(where))
         with self.dp_opt.checkpoint_view(load=True) as opt:
             extra = ckpt.load(where, self.model, opt, self._extra())
         self.step, self.consumed = int(extra["step"]), int(extra["consumed"])
@@ -167,11 +165,19 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
+        guard = runguard.RunGuard(self.cfg, self.device, log0)  # lock, start checks, signals (issue 32)
+        try:
+            return self._fit(guard)
+        finally:
+            guard.close()
+
+    def _fit(self, guard: runguard.RunGuard) -> list[dict]:
         cfg = self.cfg
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         resume = ckpt.resume_target(cfg.checkpoint.resume, self.out_dir, log0)  # reliability: resume=auto
+        guard.start(self.model, resume)
         if resume:
-            self.resume(resume)
+            self.resume(resume, guard)
         if rank0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.out_dir / "config.yaml")
@@ -183,20 +189,19 @@ class Trainer:
             wandb_project=cfg.logging.wandb_project,
             config=cfg.to_dict(),
         )
-        n_world = dist.get_world_size() if dist.is_initialized() else 1
-        log0(
-            f"megasparse: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, vocab {self.vocab} "
-            f"(padded {self.vocab_padded}) | world {n_world} = tp {self.lay.tp} x pp {self.lay.pp} x dp {self.dp}"
-            f"{' +SP' if cfg.parallel.sequence_parallel else ''} | {self.num_mb} micro-batches/step | "
-            f"{self.device.type} {str(self.compute_dtype).replace('torch.', '')} | optimizer state "
-            f"{self.dp_opt.state_bytes() / 2**20:.1f} MiB/rank{' (sharded over dp)' if self.dp_opt.sharded else ''}"
-        )
+        facts = run_facts(self)
+        n_world, kept = facts.world, facts.kept_rows
+        log0(format_banner(cfg, facts))
+        progress = Progress(cfg.train.steps)
+        kept_share = None if kept is None else kept / (cfg.model.seq_length * cfg.train.micro_batch_size)
         history = []
         while self.step < cfg.train.steps:
+            guard.step(self.step)
             r = self.train_step()
             tok_s = r.tokens * self.dp / r.seconds / n_world  # global tokens over all GPUs, per GPU
             rec = step_record(self.step, r.loss, r.grad_norm, r.lr, tok_s, self.flops_tok, self.peak, self.device)
             rec.update(step_time_s=r.seconds, **r.extra)
+            rec.update(progress.fields(self.step, r.seconds, self.consumed * cfg.model.seq_length, kept_share))
             if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps):
                 rec["val_loss"] = self.evaluate()
             history.append(rec)
@@ -204,9 +209,13 @@ class Trainer:
             if self.step % cfg.logging.log_interval == 0 or self.step == cfg.train.steps:
                 log0(format_line(rec))
             si = cfg.checkpoint.save_interval
-            if (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end):
-                where = self.save()
+            saved = (si and self.step % si == 0) or (self.step == cfg.train.steps and cfg.checkpoint.save_at_end)
+            if saved:
+                with guard.saving(self.step):
+                    where = self.save()
                 log0(f"saved checkpoint {where}" if where else f"step {self.step}: non-finite state, not saved")
+            if self.step < cfg.train.steps:
+                guard.boundary(self.step, bool(saved), self.save)  # a signal: save, stop (exit 75)
         self.dp_opt.wait_params()
         log.close()
         return history
@@ -238,18 +247,8 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     cfg_path, overrides = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        cfg = load_config(cfg_path, overrides)
-        trainer = Trainer(cfg)
-        trainer.fit()
-    except ConfigError as e:  # one line, once (rank 0), exit 2 without a traceback for torchrun to bury it under
-        if state.world_env()[0] == 0:
-            print(f"megasparse: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_initialized():
-            state.destroy()
-    return 0
+    # exit 0, 75 (stopped by a signal after saving), 2 (one ConfigError line), 1 (a failed rank, named)
+    return runguard.run_main(lambda: load_config(cfg_path, overrides), lambda cfg: Trainer(cfg).fit())
 
 
 if __name__ == "__main__":

@@ -224,3 +224,14 @@ def test_one_schedule_signature():
     }
     assert set(sigs) >= {"OneFOneB", "Interleaved", "LockStep", "ForwardOnly"}
     assert {tuple(v) for v in sigs.values()} == {("self", "num_mb", "p2p", "step", "in_flight", "slot")}
+
+
+def test_torchtitan_stays_in_the_benchmarks():
+    """torchtitan is a benchmark anchor (the [bench] extra, decision 0504): the package never imports it."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            mods += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{name} imports {m}" for m in mods if m.split(".")[0] == "torchtitan"]
+    assert found == []

@@ -174,7 +174,7 @@ def test_resume_with_bf16_compute_copies_is_exact(tmp_path):
 def state_dict_roundtrip(_: None) -> dict:
     """A sharded optimizer's state_dict is the plain AdamW's, and loading it back changes nothing."""
     from megasparse.config import load_config
-    from megasparse.model.builder import build_optimizer
+    from megasparse.optim import build_optimizer
     from megasparse.train import Trainer
 
     tr = Trainer(load_config(None, BASE + SHARDED))

@@ -81,7 +81,7 @@ def test_global_batch_divisible():
 
 
 def test_synthetic_data_needs_vocab():
-    from megasparse.train import build_data
+    from megasparse.data.dataset import build_data
 
     with pytest.raises(ConfigError, match="needs model.vocab_size"):
         build_data(load_config(None, ["data.prefix=synthetic"]))

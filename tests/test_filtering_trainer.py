@@ -121,9 +121,9 @@ def plain_kept(ov: list[str], source: str, corpus: dict, weights: dict, m: int, 
     model losses (checked here against the reference model). Returns (mask, has inserted EOD)."""
     _, model_loss, got_ref = got
     from megasparse.config import load_config
+    from megasparse.data.dataset import build_data
     from megasparse.filtering.ngram import NgramLM
     from megasparse.filtering.sidecar import open_sidecar
-    from megasparse.train import build_data
 
     cfg = load_config(None, ov)
     ds, _, vocab = build_data(cfg)
@@ -188,8 +188,8 @@ def test_trainer_keeps_the_plain_excess_loss_top_k(corpus, source: str, layout: 
 def test_sidecar_errors_name_what_is_missing(corpus) -> None:
     from megasparse.config import load_config
     from megasparse.configbase import ConfigError
+    from megasparse.data.dataset import build_data
     from megasparse.filtering.component import build_reference
-    from megasparse.train import build_data
 
     def error(ov: list[str]) -> str:
         cfg = load_config(None, ov)

@@ -50,7 +50,7 @@ def close(a, b, tol):
     assert err < tol, err
 
 
-@pytest.mark.parametrize("impl", ["cce", "torch"])
+@pytest.mark.parametrize("impl", ["cce", "materialized"])
 @pytest.mark.parametrize("n,d", [(67, 64), (45, 256)])
 def test_matches_fp64_at_gpt2_vocab(impl, n, d):
     v = 50257
@@ -74,7 +74,7 @@ def test_exact_mode_bitwise_stable():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("impl", ["cce", "torch"])
+@pytest.mark.parametrize("impl", ["cce", "materialized"])
 def test_ignore_index_rows(impl):
     h, w, t, gout = inputs(41, 997, 48, seed=2)
     t[[0, 5, 40]] = -100
@@ -87,7 +87,7 @@ def test_ignore_index_rows(impl):
     close(dw, rdw, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["cce", "torch"])
+@pytest.mark.parametrize("impl", ["cce", "materialized"])
 def test_softcap_and_z_loss(impl):
     h, w, t, gout = inputs(39, 1531, 80, seed=3)
     h *= 4  # logits big enough for the cap to bend them
@@ -122,7 +122,7 @@ def test_filtering_error_bounded_by_eps():
     assert torch.all((dw1 - dw0).abs() <= bound_c + 1e-6)
 
 
-@pytest.mark.parametrize("impl", ["cce", "torch"])
+@pytest.mark.parametrize("impl", ["cce", "materialized"])
 def test_keep_idx_only_kept_rows_get_gradient(impl):
     h, w, t, gout = inputs(30, 701, 40, seed=6)
     t[3] = -100
@@ -142,15 +142,15 @@ def test_keep_idx_only_kept_rows_get_gradient(impl):
 def test_split_pieces_merge_like_one_slice():
     """Two vocabulary slices' partials, merged by the caller, give the whole-vocabulary loss and gradients."""
     h, w, t, gout = inputs(33, 1000, 24, seed=7)
-    lse_full, tl_full = shard_forward(h, w, t, 1000, backend="torch")
+    lse_full, tl_full = shard_forward(h, w, t, 1000, backend="reference")
     parts = []
     for lo, hi in ((0, 400), (400, 1000)):
         tt = torch.where((t >= lo) & (t < hi), t - lo, -1)
-        parts.append((tt, *shard_forward(h, w[lo:hi], tt, hi - lo, backend="torch")))
+        parts.append((tt, *shard_forward(h, w[lo:hi], tt, hi - lo, backend="reference")))
     lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
     torch.testing.assert_close(lse, lse_full)
     torch.testing.assert_close(parts[0][2] + parts[1][2], tl_full)
-    d_e = sum(shard_backward(h, w[lo:hi], p[0], lse, gout, gout, hi - lo, backend="torch")[0]
+    d_e = sum(shard_backward(h, w[lo:hi], p[0], lse, gout, gout, hi - lo, backend="reference")[0]
               for (lo, hi), p in zip(((0, 400), (400, 1000)), parts))  # fmt: skip
     _, rdh, _ = run_ref(h, w, t, 1000, gout)
     close(d_e, rdh, 1e-5)
@@ -217,14 +217,14 @@ def _compact_grad(h, w, t, cfg, vocab_size, gout, idx):
     return loss.detach(), grads["h"].rows, ww.grad
 
 
-@pytest.mark.parametrize("impl", ["cce", "torch"])
+@pytest.mark.parametrize("impl", ["cce", "materialized"])
 @pytest.mark.parametrize("eps", [None, 2.0**-12])
 def test_compact_kept_row_with_ignored_target_gets_zero_row(impl, eps):
     """Masked labels (e.g. prompt tokens) among the kept rows: zero dE rows, as the materialised loss gives."""
     h, w, t, gout = inputs(30, 701, 40, seed=11)
     t[[3, 17]] = -100
     idx = torch.tensor([1, 3, 4, 10, 17, 29])
-    cfg = LossConfig(impl=impl, filter_eps=eps, backend="torch" if impl == "cce" else None)
+    cfg = LossConfig(impl=impl, filter_eps=eps, backend="reference" if impl == "cce" else None)
     loss, rows, dw = _compact_grad(h, w, t, cfg, 701, gout, idx)
     assert rows.shape == (6, 40)
     assert torch.all(rows[1] == 0) and torch.all(rows[4] == 0) and rows[[0, 2, 3, 5]].abs().sum(1).gt(0).all()
@@ -242,7 +242,7 @@ def test_sp_rows_not_matching_targets_is_one_clear_line():
         vocab_parallel_loss(h[:10], w, t, LossConfig(impl="cce"), vocab_start=0, vocab_size=97, sequence_parallel=True)
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="11 hidden rows = 11 rows but 12 targets"):
-        vocab_parallel_loss(h[:11], w, t, LossConfig(impl="torch"), vocab_start=0, vocab_size=97)
+        vocab_parallel_loss(h[:11], w, t, LossConfig(impl="materialized"), vocab_start=0, vocab_size=97)
 
 
 def test_default_filter_threshold_follows_the_dtype():
@@ -259,9 +259,9 @@ def test_default_filter_threshold_follows_the_dtype():
     # softmax gradient, fp32's keeps it
     h, w, t, gout = inputs(40, 5000, 32, seed=13)
     h *= 0.01
-    _, exact, _ = run(h, w, t, LossConfig(impl="cce", filter_eps=None, backend="torch"), 5000, gout)
-    _, auto, _ = run(h, w, t, LossConfig(impl="cce", backend="torch"), 5000, gout)
-    _, bf16, _ = run(h, w, t, LossConfig(impl="cce", filter_eps=2.0**-12, backend="torch"), 5000, gout)
+    _, exact, _ = run(h, w, t, LossConfig(impl="cce", filter_eps=None, backend="reference"), 5000, gout)
+    _, auto, _ = run(h, w, t, LossConfig(impl="cce", backend="reference"), 5000, gout)
+    _, bf16, _ = run(h, w, t, LossConfig(impl="cce", filter_eps=2.0**-12, backend="reference"), 5000, gout)
     close(auto, exact, 1e-6)
     err = float((bf16 - exact).norm() / exact.norm())
     assert err > 1e-2, err  # the one-hot part dominates dE here; the softmax part it drops is still 1.5%
@@ -278,9 +278,9 @@ def test_auto_impl_picks_by_materialised_logit_memory():
     impl, why = resolve_impl(cfg, 8192, 256000)  # 7.8 GiB of fp32 logits: Gemma-2's vocabulary
     assert impl == "cce" and "7.81 GiB" in why and "materialize_budget_gib=4.0" in why
     impl, why = resolve_impl(cfg, 8192, 64128)  # 1.96 GiB: Llama-3's vocabulary at TP=2
-    assert impl == "torch" and "1.96 GiB" in why
+    assert impl == "materialized" and "1.96 GiB" in why
     assert resolve_impl(LossConfig(materialize_budget_gib=1.0), 8192, 64128)[0] == "cce"
-    assert resolve_impl(LossConfig(impl="torch"), 8192, 256000)[0] == "torch"
+    assert resolve_impl(LossConfig(impl="materialized"), 8192, 256000)[0] == "materialized"
     assert resolve_impl(LossConfig(impl="cce"), 8, 8)[0] == "cce"
     assert load_config(None, ["loss.materialize_budget_gib=0.5"]).loss.resolved_impl(8192, 64128) == "cce"
     with pytest.raises(ConfigError, match="loss.materialize_budget_gib"):
@@ -288,7 +288,7 @@ def test_auto_impl_picks_by_materialised_logit_memory():
     # the loss follows the choice: bitwise the materialised loss under the budget, CCE over it
     h, w, t, gout = inputs(33, 300, 16, seed=14)
     auto = run(h, w, t, LossConfig(filter_eps=None), 300, gout)
-    mat = run(h, w, t, LossConfig(impl="torch"), 300, gout)
+    mat = run(h, w, t, LossConfig(impl="materialized"), 300, gout)
     over = run(h, w, t, LossConfig(filter_eps=None, materialize_budget_gib=1e-9), 300, gout)
     cce = run(h, w, t, LossConfig(impl="cce", filter_eps=None), 300, gout)
     for a, b, c, d in zip(auto, mat, over, cce):
@@ -320,7 +320,7 @@ def test_cce_scratch_reaches_the_gemm_backward(monkeypatch):
     monkeypatch.setattr(cce_launch, "gemm_shard_forward", torch_shard_forward)
     monkeypatch.setattr(cce_launch, "gemm_shard_backward", backward)
     h, w, t, gout = inputs(33, 300, 16, seed=15)
-    ref = run(h, w, t, LossConfig(impl="cce", filter_eps=None, backend="torch"), 300, gout)
+    ref = run(h, w, t, LossConfig(impl="cce", filter_eps=None, backend="reference"), 300, gout)
     for mb in (None, 7):
         got = run(h, w, t, LossConfig(impl="cce", filter_eps=None, backend="gemm", cce_scratch_mb=mb), 300, gout)
         assert seen[-1] == (None if mb is None else mb * 2**20)

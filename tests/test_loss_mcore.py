@@ -1,4 +1,4 @@
-"""loss.impl=mcore (megatron-core's own vocab-parallel cross-entropy) trains the same model as loss.impl=torch
+"""loss.impl=mcore (megatron-core's own vocab-parallel cross-entropy) trains the same model as loss.impl=materialized
 under TP=2 with sequence parallelism and a padded vocabulary (gloo); its config limits fail in one line."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _run(overrides: list[str]) -> dict:
 @pytest.mark.parametrize("sp", [False, True])
 def test_mcore_loss_matches_torch_loss_tp2(sp):
     layout = ["parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}"]
-    ref = run_distributed(_run, 2, layout + ["loss.impl=torch"])
+    ref = run_distributed(_run, 2, layout + ["loss.impl=materialized"])
     got = run_distributed(_run, 2, layout + ["loss.impl=mcore"])
     assert ref[0]["vocab_padded"] > 250  # the tiny vocabulary is padded: padding must not enter the loss
     for a, b in zip(got, ref):

@@ -19,7 +19,7 @@ def _fresh_cache():
 
 def _decide(rows: int = 64, group=None) -> tuple[str, str]:
     """The check at a small fixed shape (V_local 40 with 37 real rows, hidden 16); the memory rule said torch."""
-    return speed.timed_choice(LossConfig(), rows, 40, 16, torch.bfloat16, "cpu", 37, group, ("torch", "rule"))
+    return speed.timed_choice(LossConfig(), rows, 40, 16, torch.bfloat16, "cpu", 37, group, ("materialized", "rule"))
 
 
 def _choose(monkeypatch, t_torch: float, t_cce: float, rows: int = 64):
@@ -31,7 +31,7 @@ def test_the_faster_loss_is_chosen_once_per_shape(monkeypatch):
     impl, why = _choose(monkeypatch, t_torch=2e-3, t_cce=1e-3)
     assert impl == "cce" and "cce 1.00 ms, materialised 2.00 ms" in why
     assert _choose(monkeypatch, t_torch=1e-3, t_cce=2e-3) == (impl, why)  # cached: the first call decides
-    assert _choose(monkeypatch, t_torch=1e-3, t_cce=2e-3, rows=32)[0] == "torch"  # another shape: timed again
+    assert _choose(monkeypatch, t_torch=1e-3, t_cce=2e-3, rows=32)[0] == "materialized"  # another shape: timed again
     assert _choose(monkeypatch, t_torch=1e-3, t_cce=1e-3, rows=16)[0] == "cce"  # a tie: as fast is enough
 
 
@@ -41,10 +41,10 @@ def test_a_failed_check_keeps_the_memory_rule(monkeypatch):
 
     monkeypatch.setattr(speed, "time_loss", boom)
     impl, why = _decide()
-    assert impl == "torch" and why.startswith("rule (speed check failed: OutOfMemoryError: CUDA out of memory")
+    assert impl == "materialized" and why.startswith("rule (speed check failed: OutOfMemoryError: CUDA out of memory")
 
 
-@pytest.mark.parametrize("impl", ["torch", "cce"])
+@pytest.mark.parametrize("impl", ["materialized", "cce"])
 def test_timed_passes_run_the_loss_maths(impl):
     secs = speed.time_loss(impl, LossConfig(), 48, 40, 16, torch.float32, "cpu", 37)
     assert 0 < secs < 5
@@ -56,13 +56,16 @@ def _tp_choice(fast_rank: int) -> str:
 
     state.init(2, 1, False, "gloo")
     rank = torch.distributed.get_rank()
-    times = {"torch": 1.0, "cce": 0.5} if rank == fast_rank else {"torch": 1.0, "cce": 1.5}
+    times = {"materialized": 1.0, "cce": 0.5} if rank == fast_rank else {"materialized": 1.0, "cce": 1.5}
     speed.time_loss = lambda impl, *a: times[impl]
     return _decide(group=state.tp_group())[0]
 
 
 def test_tp_ranks_agree_on_the_loss():
-    assert run_distributed(_tp_choice, 2, 0) == ["torch", "torch"]  # cce slower on one shard: slower for the step
+    assert run_distributed(_tp_choice, 2, 0) == [
+        "materialized",
+        "materialized",
+    ]  # cce slower on one shard: slower for the step
 
 
 def _one_rank_fails() -> tuple[str, str, float]:
@@ -76,7 +79,7 @@ def _one_rank_fails() -> tuple[str, str, float]:
     def timer(impl, *a):
         if rank == 1:
             raise torch.OutOfMemoryError("out of memory")
-        return {"torch": 1.0, "cce": 0.5}[impl]
+        return {"materialized": 1.0, "cce": 0.5}[impl]
 
     speed.time_loss = timer
     impl, why = _decide(group=state.tp_group())
@@ -87,7 +90,7 @@ def _one_rank_fails() -> tuple[str, str, float]:
 
 def test_a_check_failing_on_one_rank_falls_back_on_every_rank():
     res = run_distributed(_one_rank_fails, 2)
-    assert [r[0] for r in res] == ["torch", "torch"] and all(r[2] == 6.0 for r in res)
+    assert [r[0] for r in res] == ["materialized", "materialized"] and all(r[2] == 6.0 for r in res)
     assert "on another TP rank" in res[0][1] and "OutOfMemoryError" in res[1][1]
 
 

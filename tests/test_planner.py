@@ -41,7 +41,7 @@ def test_tiny_config_matches_hand_computed_flops_and_memory():
     # 57.5 two-byte h-elements per token, doubled for 4-byte elements)
     act_layer = 57.5 * TOKENS * 64 * 2
     assert plan.stages[1].act_gib * 1024**3 == pytest.approx(3 * act_layer)
-    # the last stage's loss keeps the hidden and, for impl=torch, fp32 logits plus their compute-dtype copy
+    # the last stage's loss keeps the hidden and, for impl=materialized, fp32 logits plus their compute-dtype copy
     assert plan.stages[3].act_gib * 1024**3 == pytest.approx(act_layer + TOKENS * 64 * 4 + TOKENS * V_PAD * 8)
     assert plan.step_flops == (4 + 4 - 1) * (BLOCK_FLOPS + loss)
 

@@ -50,7 +50,7 @@ def filtered_with_model_ref(out: str, tp: int) -> float:
 
 def scored(out: str) -> torch.Tensor:
     from megasparse.config import load_config
-    from megasparse.train import load_model_for_inference
+    from megasparse.model.builder import load_model_for_inference
 
     model = load_model_for_inference(load_config(None, TINY), out)
     tokens = torch.randint(0, 64, (16, 3), generator=torch.Generator().manual_seed(0))
@@ -69,7 +69,7 @@ def config_unchanged_by_inference(out: str) -> bool:
     import copy
 
     from megasparse.config import load_config
-    from megasparse.train import load_model_for_inference
+    from megasparse.model.builder import load_model_for_inference
 
     cfg = load_config(None, TINY + ["parallel.sequence_parallel=true", "filter.mode=loss_mask"])
     before = copy.deepcopy(cfg)

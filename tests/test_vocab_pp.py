@@ -147,7 +147,7 @@ def _ignored_rows_worker() -> dict:
     t = torch.randint(0, v, (n,), generator=g)
     t[[0, 7, 8, 19]] = -100
     gout = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
-    cfg = LossConfig(impl="cce", filter_eps=None, backend="torch")
+    cfg = LossConfig(impl="cce", filter_eps=None, backend="reference")
     half = v // 2
     mine = slice(lay.pp_rank * half, (lay.pp_rank + 1) * half)
     wp = torch.nn.Parameter(w[mine].clone())

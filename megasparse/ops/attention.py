@@ -12,14 +12,36 @@ is undone at the tokens' original positions.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megasparse.ops.compact import CompactGrad
 from megasparse.ops.rope_kernels import rope_into
 
 
-def rope_tables(seq: int, dim: int, theta: float, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def llama3_inv_freq(inv: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
+    """Llama-3.1's RoPE scaling: wavelengths longer than original/low are divided by ``factor``, shorter than
+    original/high kept, and those between blended linearly in original/wavelength."""
+    wavelen = 2 * math.pi / inv
+    ratio = original / wavelen
+    smooth = ((ratio - low) / (high - low)).clamp(0.0, 1.0)  # 0 at the long end, 1 at the short end
+    return inv / factor * (1 - smooth) + inv * smooth
+
+
+def rope_tables(
+    seq: int,
+    dim: int,
+    theta: float,
+    device,
+    dtype=torch.float32,
+    scaling: tuple[float, float, float, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [seq, dim/2] of RoPE angles, computed in fp64; ``scaling``: Llama-3's (factor, low, high, original
+    positions), see ``llama3_inv_freq``."""
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
+    if scaling is not None:
+        inv = llama3_inv_freq(inv, *scaling)
     ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
@@ -108,29 +130,65 @@ def _rows_at(t: torch.Tensor, flat: torch.Tensor, b: int, m: int) -> torch.Tenso
     return rows.index_select(0, flat).view(b, m, h, d).permute(0, 2, 1, 3)
 
 
+def _rotated(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k, v) [b, heads, s, d] of the QKV rows: q and k rotated into one [s, b, heads, d] buffer like qkv, v a
+    view of qkv."""
+    s, b, _ = qkv.shape
+    d = qkv.shape[-1] // (nq + 2 * nkv)
+    heads = qkv.view(s, b, nq + 2 * nkv, d)
+    qk = qkv.new_empty(s, b, nq + nkv, d)
+    positions = torch.arange(s, device=qkv.device)
+    rope_into(qk.permute(1, 2, 0, 3), heads[:, :, : nq + nkv].permute(1, 2, 0, 3), cos, sin, positions)
+    q = qk[:, :, :nq].permute(1, 2, 0, 3)  # [b, nq, s, d]
+    k = qk[:, :, nq:].permute(1, 2, 0, 3)
+    return q, k, heads[:, :, nq + nkv :].permute(1, 2, 0, 3)
+
+
 class AttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor):
+    def forward(
+        ctx,
+        qkv: torch.Tensor,
+        nq: int,
+        nkv: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        recompute: bool = False,
+        bias: torch.Tensor | None = None,
+    ):
+        """``recompute`` (``model.recompute=selective``, decision 0012): save qkv, the output and the lse only, and
+        rotate q and k again in the backward. The output is the projection's saved input anyway (the same storage
+        under cuDNN), so rerunning the flash forward would free nothing more. ``bias`` (Qwen2's q/k/v biases) is
+        added before RoPE; its gradient is dqkv summed over tokens."""
+        if bias is not None:
+            qkv = qkv + bias
         s, b, _ = qkv.shape
-        d = qkv.shape[-1] // (nq + 2 * nkv)
-        heads = qkv.view(s, b, nq + 2 * nkv, d)
-        qk = qkv.new_empty(s, b, nq + nkv, d)  # q and k rotated, in one [s, b, heads, d] buffer like qkv
-        positions = torch.arange(s, device=qkv.device)
-        rope_into(qk.permute(1, 2, 0, 3), heads[:, :, : nq + nkv].permute(1, 2, 0, 3), cos, sin, positions)
-        q = qk[:, :, :nq].permute(1, 2, 0, 3)  # [b, nq, s, d]
-        k = qk[:, :, nq:].permute(1, 2, 0, 3)
-        v = heads[:, :, nq + nkv :].permute(1, 2, 0, 3)
+        q, k, v = _rotated(qkv, nq, nkv, cos, sin)
+        d = q.shape[-1]
         scale = d**-0.5
         out, lse, rng = _flash_fwd(q, k, v, scale)  # k, v keep GQA's nkv heads (saved so: 1/group the memory)
-        ctx.save_for_backward(q, k, v, out, lse, cos, sin)
-        ctx.meta = (nq, nkv, d, scale, rng, qkv.shape)
-        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        if recompute:
+            ctx.save_for_backward(qkv, y, lse, cos, sin)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse, cos, sin)
+        ctx.recompute = recompute
+        ctx.meta = (nq, nkv, d, scale, rng, qkv.shape, bias is not None)
+        return y
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, out, lse, cos, sin = ctx.saved_tensors
-        nq, nkv, d, scale, rng, shape = ctx.meta
+        nq, nkv, d, scale, rng, shape, has_bias = ctx.meta
         s, b, _ = shape
+        if ctx.recompute:
+            qkv, y, lse, cos, sin = ctx.saved_tensors
+            q, k, v = _rotated(qkv, nq, nkv, cos, sin)
+            out = y.view(s, b, nq, d).permute(1, 2, 0, 3)
+        else:
+            q, k, v, out, lse, cos, sin = ctx.saved_tensors
+
+        def bias_grad(rows: torch.Tensor) -> torch.Tensor | None:
+            return rows.reshape(-1, shape[-1]).sum(0) if has_bias else None
 
         def finish(dq, dk, dv, pos):
             # dq [bb, nq, t, d], dk/dv [bb, nkv, t, d] -> rows [t, bb, (nq+2nkv)d] with RoPE undone at ``pos``.
@@ -145,7 +203,8 @@ class AttentionFn(torch.autograd.Function):
         if not isinstance(g, CompactGrad):
             go = g.view(s, b, nq, d).permute(1, 2, 0, 3)
             dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
-            return finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape), None, None, None, None
+            dqkv = finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape)
+            return dqkv, None, None, None, None, None, bias_grad(dqkv)
 
         # One batched kernel over the micro-batch: each sequence's kept positions, padded at the end to the
         # longest. Padded queries get a zero output gradient, so they add nothing to any real dq/dk/dv, and
@@ -169,12 +228,23 @@ class AttentionFn(torch.autograd.Function):
         lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)).contiguous()
         dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
         got = finish(dq, dk, dv, pos).reshape(-1, shape[-1])
+        db = bias_grad(got)  # padded queries' rows are zeros: they add nothing
         if in_order:
-            return CompactGrad(got, g.meta, shape), None, None, None, None
+            return CompactGrad(got, g.meta, shape), None, None, None, None, None, db
         rows = g.rows.new_empty(k_rows + padded, shape[-1])  # with padding, the last row takes (and drops) it
         rows.index_copy_(0, sel.t().reshape(-1), got)
-        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None
+        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None, None, db
 
 
-def attention(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return AttentionFn.apply(qkv, nq, nkv, cos, sin)
+def attention(
+    qkv: torch.Tensor,
+    nq: int,
+    nkv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    recompute: bool = False,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of this rank's [q | k | v] heads. ``recompute``: rotate q and k again in the backward
+    instead of saving them; ``bias`` ([(nq + 2·nkv)·d]) is added before RoPE."""
+    return AttentionFn.apply(qkv, nq, nkv, cos, sin, recompute, bias)

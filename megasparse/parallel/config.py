@@ -39,6 +39,9 @@ class ParallelConfig:
     forward); off: the same buckets after the backward. Only matters when dp > 1."""
     grad_bucket_numel: int = 40_000_000
     """Parameters per DP gradient bucket (one collective each; Megatron's default size)."""
+    timeout_minutes: float = 10.0
+    """How long any collective may wait for the other ranks before the job fails with one line naming the rank
+    (the default group and every megatron-core TP/PP/DP group alike)."""
 
     @property
     def sp_shards(self) -> int:
@@ -69,6 +72,8 @@ class ParallelConfig:
                 )
             if min(self.layer_split) < 1:
                 raise ConfigError(f"parallel.layer_split={self.layer_split}: every stage needs a layer")
+        if not self.timeout_minutes > 0:
+            raise ConfigError(f"parallel.timeout_minutes={self.timeout_minutes} must be > 0 (default 10)")
         if self.grad_bucket_numel < 1:
             raise ConfigError(f"parallel.grad_bucket_numel={self.grad_bucket_numel} must be >= 1 (default 40000000)")
         if self.sequence_parallel and self.tp == 1:

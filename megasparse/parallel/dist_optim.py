@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from megasparse.parallel import comm, grads, state
+from megasparse.parallel import comm, grads, state, tied
 from megasparse.parallel.ddp import GradBuckets
 from megasparse.parallel.layers import ComputeCopies
 
@@ -281,8 +281,10 @@ class DataParallelOptimizer:
         self.buckets.zero(micro_batches)
 
     def reduce(self) -> None:
-        """After the backward: every bucket reduced over DP (and the SP norms over TP)."""
+        """After the backward: every bucket reduced over DP (and the SP norms over TP); tied embedding copies summed."""
         self.buckets.finish()
+        if tied.tied_embedding(self.model) is not None:
+            tied.sum_tied_grads(self.model, state.embedding_group())
 
     def grad_norm(self) -> float:
         if not self.sharded:

@@ -23,7 +23,11 @@ def global_grad_norm(
 ) -> float:
     """L2 norm of the whole model's gradient: TP shards summed over TP × PP, replicated parameters counted once."""
     tp_rank = state.layout().tp_rank
-    grads = [p.grad for name, p in named_params if p.grad is not None and (is_sharded(name) or tp_rank == 0)]
+    grads = [
+        p.grad
+        for name, p in named_params
+        if p.grad is not None and (is_sharded(name) or tp_rank == 0) and not getattr(p, "tied_copy", False)
+    ]  # a tied embedding's last-stage copy holds the same gradient as the first stage's: counted there
     return norm_over(grads, state.mp_group(), "mp", device)
 
 

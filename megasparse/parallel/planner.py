@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from megasparse.config import Config, ConfigError, load_config
+from megasparse.configbase import parse_with_overrides
 
 GIB = 1024**3
 STATE_BYTES = 16
@@ -167,8 +168,9 @@ def estimate(
             params += out_cols * h
             flops += loss_flops(cfg, tokens, out_cols)
             act += tokens * h * elem  # the (gathered) final hidden the loss keeps for its backward
-            # materialised logits (impl=torch/mcore, or auto under its budget): [tokens, V_local] fp32 + compute dtype
-            if cfg.loss.resolved_impl(tokens, out_cols) in ("torch", "mcore"):
+            # materialised logits (impl=materialized/mcore, or auto under its budget): [tokens, V_local] fp32 +
+            # compute dtype
+            if cfg.loss.resolved_impl(tokens, out_cols) in ("materialized", "mcore"):
                 act += tokens * out_cols * (4 + elem)
         stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, params * STATE_BYTES / GIB, act / GIB))
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
@@ -274,13 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.pp=4 model.vocab_size=128000")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size (sets micro-batches per step)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size when model.vocab_size is null")
-    a = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    a = parse_with_overrides(ap, list(sys.argv[1:] if argv is None else argv))
     path, overrides = a.config, list(a.overrides)
     if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
         path, overrides = None, [path] + overrides
     try:
         cfg = load_config(path, overrides)
-        cfg.validate(cfg.parallel.tp * cfg.parallel.pp * a.dp)
+        cfg.validate(cfg.parallel.tp * cfg.parallel.pp * a.dp, devices=False)  # no CUDA needed: it is arithmetic
         if cfg.parallel.virtual_stages > 1:
             raise ConfigError("megasparse plan models plain 1F1B stages; plan with parallel.virtual_stages=1")
         pa, pb, pc = plans(cfg, a.vocab, a.dp)

@@ -79,8 +79,9 @@ def attempt_store(rank: int, world: int, timeout):
     return dist.PrefixStore(f"megasparse/attempt-{attempt}", base)
 
 
-def init(tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto", timeout_s: int = 600) -> Layout:
-    """Create the default group (if needed) and the megatron-core model-parallel groups."""
+def init(tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto", timeout_s: float = 600) -> Layout:
+    """Create the default group (if needed) and the megatron-core model-parallel groups, all with ``timeout_s``
+    (``parallel.timeout_minutes``; megatron-core's own default would be 30 minutes for its groups)."""
     global _layout
     from datetime import timedelta
 
@@ -100,7 +101,11 @@ def init(tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kw)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_s / 60,  # a float is fine: it only feeds timedelta(minutes=...)
+    )
     _layout = Layout(
         tp=tp,
         pp=pp,
@@ -152,6 +157,12 @@ def pp_group():
 def dp_group():
     ps = _ps()
     return ps.get_data_parallel_group() if ps else None
+
+
+def embedding_group():
+    """The first and last pipeline stages of this rank's pipeline (tied embeddings sum their gradients over it)."""
+    ps = _ps()
+    return ps.get_embedding_group() if ps else None
 
 
 def mp_group():

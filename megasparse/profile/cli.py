@@ -15,6 +15,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megasparse.config import ConfigError
+from megasparse.configbase import parse_with_overrides
 from megasparse.parallel import state
 from megasparse.profile import report
 from megasparse.profile.collect import profile
@@ -41,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="time each transfer (synchronises the GPU around it; default: on for CUDA runs)",
     )
     p.add_argument("--out-dir", default=None, help="where comm.json/comm.png go (default: <logging.out_dir>/profile)")
-    a = p.parse_args(argv)
+    a = parse_with_overrides(p, argv)
     if a.steps is not None and a.steps < 1:
         p.error(f"--steps {a.steps}: profile at least one step")
     if a.config is not None and "=" in a.config and not a.config.endswith((".yaml", ".yml")):

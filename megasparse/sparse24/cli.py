@@ -50,7 +50,9 @@ def main(argv: list[str]) -> int:
     d.add_argument("--steps", type=int, default=None, help="warm-up steps per run (default: optim.warmup_steps)")
     d.add_argument("--window", type=int, default=3, help="refreshes averaged at the end of each run")
     d.add_argument("--json", default=None, help="write the table here as JSON")
-    args = p.parse_args(argv)
+    from megasparse.configbase import parse_with_overrides
+
+    args = parse_with_overrides(p, argv)  # overrides anywhere, also after --decays
 
     from megasparse.config import ConfigError, load_config
 
@@ -71,14 +73,16 @@ def main(argv: list[str]) -> int:
         )
         return 2
 
-    def run(overrides: list[str]) -> float:
+    def run(overrides: list[str], tag: str) -> float:
         # The short search runs stay sparse to the end: dense fine-tuning would blank their last refreshes.
         fixed = [f"train.steps={steps}", "sparsity.enabled=true", "sparsity.dense_finetune_fraction=0"]
-        cfg = load_config(args.config, [*args.overrides, *fixed, *overrides])
+        # one out_dir per search run (one run per directory); a rerun moves the last search's files aside
+        own = [f"logging.out_dir={Path(base.logging.out_dir) / tag}", "logging.previous_run=move_aside"]
+        cfg = load_config(args.config, [*args.overrides, *fixed, *overrides, *own])
         return flip_rate_at_end(run_training(cfg)["flip_rates"], args.window)
 
-    dense = run(["sparsity.monitor_only=true"])
-    ratios = {lam: run([f"sparsity.decay={lam}"]) / max(dense, 1e-12) for lam in decays}
+    dense = run(["sparsity.monitor_only=true"], "dense")
+    ratios = {lam: run([f"sparsity.decay={lam}"], f"decay-{lam:g}") / max(dense, 1e-12) for lam in decays}
     best = choose_decay(ratios)
     rows = [
         (lam, mu, "feasible" if MU_LOW <= mu <= MU_HIGH else ("explodes" if mu >= 1 else ""))

@@ -30,6 +30,9 @@ class Sparse24Gemm:
         self._mask = None
         self.use_sparse = True
         """False: masked dense GEMMs (the converter's step-level autotune found them faster)."""
+        self.fp8 = None
+        """With ``train.fp8`` on, an fp8 GEMM over ``masked_weight()`` (installed by ``fp8/converter.py``) runs the
+        three GEMMs: dense fp8 beats 2:4 on Hopper (decision 1001). Masks, decay, refresh and fine-tune stay."""
 
     def _copy_mask(self) -> torch.Tensor | None:
         """The mask the compute copy carries: the current one while the layer runs sparse, None when it runs dense."""
@@ -70,8 +73,17 @@ class Sparse24Gemm:
         self._written_at = self.param._version
         self._w_mask = mask
 
+    def masked_weight(self) -> torch.Tensor:
+        """W ⊙ M while the layer runs sparse, W in the dense phase (the compute copy where there is one)."""
+        if self.param.dtype != self.dtype:
+            return self._copy()
+        mask = self._copy_mask()
+        return self.param.detach() if mask is None else self.param.detach() * mask
+
     def operand(self) -> torch.Tensor | None:
         """The layer's compute-dtype weight (the layer casts nothing per micro-batch); None when no cast is needed."""
+        if self.fp8 is not None:
+            return self.fp8.operand()
         return None if self.param.dtype == self.dtype else self._copy()
 
     def _operands(self) -> tuple[Sparse24Weight | None, torch.Tensor | None]:
@@ -99,6 +111,8 @@ class Sparse24Gemm:
         def at(t: torch.Tensor | None) -> int | None:  # storage, not the Python object: aliases are made per refresh
             return None if t is None else t.data_ptr()
 
+        if self.fp8 is not None:  # the fp8 copies are refreshed in place after each step (fp8/converter.py)
+            return (self.name, "fp8", at(self.fp8.w8), at(self.fp8.w8t))
         st, wt = self._operands()
         if st is None:  # dense phase or monitor-only: the graph reads the plain copy, which nothing else refreshes
             return (self.name, None, at(self.operand()))
@@ -106,10 +120,14 @@ class Sparse24Gemm:
         return (self.name, self.use_sparse, st.mask_version, at(st.packed), at(st.packed_t), at(st._masked), at(wt))
 
     def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.fwd(x2d, w)
         st, wt = self._operands()
         return x2d @ w.t() if st is None else sparse24_forward(x2d, wt, st)
 
     def dgrad(self, g2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.dgrad(g2d, w)
         st, wt = self._operands()
         if st is None:
             return g2d @ w
@@ -117,12 +135,16 @@ class Sparse24Gemm:
 
     def wgrad_into(self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor) -> bool:
         """Straight-through: the dense weight gradient, added into ``out``; MVUE's sparse estimate returns instead."""
+        if self.fp8 is not None:
+            return self.fp8.wgrad_into(g2d, x2d, out)
         if self.mvue and self.manager.state(self.name) is not None:
             return False
         accumulate_mm(out, g2d.t(), x2d)
         return True
 
     def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.wgrad(g2d, x2d)
         st, wt = self._operands()
         if st is None or not self.mvue:
             return g2d.t() @ x2d  # straight-through: the dense weight gets the dense gradient

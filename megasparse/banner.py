@@ -1,0 +1,104 @@
+"""The start banner: what a run has switched on, in one block on rank 0 before the first step (decision 0021).
+
+Each line names the config keys behind it, so a reader who wants something else knows what to override. Keys that
+other features add later (``train.fp8``, ``model.recompute``) are shown when the config has them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megasparse.config import Config
+from megasparse.loss.config import resolve_impl
+from megasparse.metrics import param_counts, short_count
+
+__all__ = ["RunFacts", "format_banner"]
+
+
+@dataclass
+class RunFacts:
+    """What the trainer knows only after building the run (the config alone cannot say)."""
+
+    world: int
+    dp: int
+    vocab: int
+    vocab_padded: int
+    device: torch.device
+    dtype: torch.dtype
+    num_microbatches: int
+    kept_rows: int | None
+    """Kept tokens per micro-batch when filtering (None: filter.mode=off)."""
+    optimizer_mib: float
+    sharded: bool
+    graphs_off: str | None
+    """Why CUDA graphs are off (None: on)."""
+
+
+def _onoff(v: bool) -> str:
+    return "on" if v else "off"
+
+
+def _loss_line(cfg: Config, f: RunFacts) -> str:
+    lc, p = cfg.loss, cfg.parallel
+    rows = cfg.model.seq_length * cfg.train.micro_batch_size
+    impl, why = resolve_impl(lc, rows, f.vocab_padded // p.tp)
+    if lc.impl == "auto":
+        text = f"auto, by memory: {impl} ({why.split(': ', 1)[-1]})"
+        if impl == "materialized" and lc.speed_check and f.device.type == "cuda":  # loss/speed.py
+            text += "; timed against cce at the first step"
+    else:
+        text = lc.impl
+    timed = lc.impl == "auto" and lc.speed_check and f.device.type == "cuda"
+    if impl == "cce" or timed:
+        text += f" | cce maths: {lc.backend or ('gemm' if f.device.type == 'cuda' else 'reference')}"
+    if lc.vocab_over_pp:
+        text += f" | vocabulary over PP (embedding too: {_onoff(lc.embedding_over_pp)})"
+    return text
+
+
+def format_banner(cfg: Config, f: RunFacts) -> str:
+    """A few lines: model and device, layout, token filtering, loss, 2:4, fp8 / recompute when the config has those
+    keys, CUDA graphs (and why not), optimizer."""
+    m, p, t, fl, sp = cfg.model, cfg.parallel, cfg.train, cfg.filter, cfg.sparsity
+    params = sum(param_counts(m, f.vocab_padded))
+    dtype = str(f.dtype).replace("torch.", "")
+    tokens_step = t.global_batch_size * m.seq_length
+    lines = [
+        f"megasparse: {m.num_layers} layers, hidden {m.hidden_size}, vocab {f.vocab} (padded {f.vocab_padded}), "
+        f"{short_count(params)} parameters | {f.device.type} {dtype} | {t.steps} steps of {t.global_batch_size} x "
+        f"{m.seq_length} = {short_count(tokens_step)} tokens",
+        f"  layout     world {f.world} = tp {p.tp} x pp {p.pp} x dp {f.dp} | sequence parallel "
+        f"{_onoff(p.sequence_parallel)} | virtual stages {p.virtual_stages} | {f.num_microbatches} micro-batches/step",
+    ]
+    if fl.mode == "off":
+        lines.append("  filter     off")
+    else:
+        per_mb = m.seq_length * t.micro_batch_size
+        kept = "" if f.kept_rows is None else f" ({f.kept_rows} of {per_mb} tokens per micro-batch)"
+        ref = f", reference {fl.reference}" if fl.scorer == "excess" else ""
+        lines.append(
+            f"  filter     {fl.mode}, keep ratio {fl.keep_ratio:.2f}{kept}, scorer {fl.scorer}{ref}, "
+            f"granularity {fl.granularity}"
+        )
+    lines.append(f"  loss       {_loss_line(cfg, f)}")
+    if sp.enabled:
+        switch = round(t.steps * (1.0 - sp.dense_finetune_fraction))
+        dense = f"dense fine-tuning from step {switch}" if switch < t.steps else "no dense fine-tuning"
+        lines.append(
+            f"  2:4        on: FFN layers {sp.layers}, masks refreshed every {sp.refresh_interval} steps, {dense}"
+        )
+    else:
+        lines.append("  2:4        off")
+    for section, key in (("train", "fp8"), ("model", "recompute")):  # keys other features add
+        value = getattr(getattr(cfg, section), key, None)
+        if value is not None:
+            shown = _onoff(value) if isinstance(value, bool) else str(value)
+            lines.append(f"  {key:<10} {shown} ({section}.{key})")
+    lines.append(f"  graphs     {'on' if f.graphs_off is None else 'off: ' + f.graphs_off}")
+    o = cfg.optim
+    lines.append(
+        f"  optimizer  AdamW, lr {o.lr:.2e} (warmup {o.warmup_steps}, cosine to {o.min_lr:.2e}) | state "
+        f"{f.optimizer_mib:.1f} MiB/rank{' (sharded over dp)' if f.sharded else ''}"
+    )
+    return "\n".join(lines)

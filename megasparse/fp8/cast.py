@@ -1,0 +1,234 @@
+"""Dynamic fp8 scaling: amax, a power-of-two scale and the scaled, saturating cast, as Triton kernels with a
+pure-torch reference.
+
+Scales are powers of two chosen from the current tensor's amax (``pow2_scale``): the largest 2^k with
+amax·2^k ≤ the format's max. Why powers of two: multiplying by 2^k is exact, so the cast rounds once (the fp8
+rounding itself) and dequantising is exact; the reference, the Triton kernel and the emulated GEMM then agree
+bit for bit, which is what the tests check. It costs at most one binade of headroom below the format's max.
+Everything happens on the device (no ``.item()``): a captured CUDA graph replays it, and the host never waits.
+
+A non-finite amax gives a NaN scale, so an overflowing activation stays non-finite through the fp8 GEMM and the
+trainer's non-finite guard sees it (saturation would have hidden an inf).
+
+Axes (``axis``): ``tensor`` (one scale), ``row`` (one scale per row, amax over the columns) or ``col`` (one per
+column, amax over the rows). ``transpose``: the output is the transposed [C, R] matrix (rows padded with zeros up
+to ``pad_to``), the operand layout ``torch._scaled_mm`` wants for a weight-gradient GEMM whose reduction runs
+over tokens.
+
+Two launches per cast (an amax kernel with atomic maxima, then the cast kernel that computes the scale from it,
+writes the fp8 values, optionally their transpose, and the inverse scales), plus the zeroing of the amax buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs without triton use the reference
+    triton = None
+
+Axis = Literal["tensor", "row", "col"]
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+EMAX = {E4M3: 8, E5M2: 15}
+"""The format's max is 1.75·2^EMAX: 448 for e4m3fn, 57344 for e5m2."""
+_GRID = {E4M3: (3, -6), E5M2: (2, -14)}  # (mantissa bits, smallest normal exponent): the kernel's rounding grid
+_AXIS_ID = {"tensor": 0, "row": 1, "col": 2}
+_TINY = 2.0**-100  # amax floor: an all-zero tensor gets a finite scale (its values stay zero)
+
+
+def fp8_max(fmt: torch.dtype) -> float:
+    return float(torch.finfo(fmt).max)
+
+
+def pow2_scale(amax: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """The largest power of two s with amax·s ≤ max(fmt), from amax's float bits (exact: no log2); NaN where amax is
+    not finite. fp32, amax's shape."""
+    a = amax.float().clamp_min(_TINY)
+    bits = a.view(torch.int32)
+    e = (bits >> 23) - 127
+    over = ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)  # mantissa above 1.75: one binade less
+    k = (EMAX[fmt] - e - over).clamp(-126, 126)
+    s = ((k + 127) << 23).view(torch.float32)
+    return torch.where(torch.isfinite(a), s, torch.full_like(s, float("nan")))
+
+
+def _amax(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    a = x.detach().abs().float()
+    a = torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
+    if axis == "tensor":
+        return a.amax() if a.numel() else a.new_zeros(())
+    if a.numel() == 0:
+        return a.new_zeros(a.shape[0] if axis == "row" else a.shape[1])
+    return a.amax(dim=1 if axis == "row" else 0)
+
+
+def quantize_reference(
+    x: torch.Tensor, fmt: torch.dtype, axis: Axis = "tensor", transpose: bool = False, pad_to: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, inverse scale) of the 2-D ``x``: q = sat(x·s) in ``fmt``, x ≈ q·s⁻¹. The inverse scale is 0-dim for
+    ``tensor``, [R] for ``row``, [C] for ``col``. ``transpose``: q is [C, pad_to or R] (zero columns past R)."""
+    s = pow2_scale(_amax(x, axis), fmt)
+    b = s if axis == "tensor" else (s[:, None] if axis == "row" else s[None, :])
+    m = fp8_max(fmt)
+    q = (x.float() * b).clamp(-m, m).to(fmt)
+    if transpose:
+        r = x.shape[0] if pad_to is None else pad_to
+        qt = torch.zeros(x.shape[1], r, dtype=fmt, device=x.device)
+        qt[:, : x.shape[0]] = q.t()
+        q = qt
+    return q, 1.0 / s
+
+
+def dequantize(q: torch.Tensor, sinv: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """q·s⁻¹ in fp32 (exact: s⁻¹ is a power of two)."""
+    b = sinv if axis == "tensor" else (sinv[:, None] if axis == "row" else sinv[None, :])
+    return q.float() * b
+
+
+if triton is not None:
+
+    @triton.jit
+    def _amax_kernel(x_ptr, out_ptr, R, C, stride_r, AXIS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        a = tl.where(a != a, float("inf"), a)  # NaN counts as inf: the scale turns NaN, the output stays non-finite
+        if AXIS == 0:
+            tl.atomic_max(out_ptr, tl.max(tl.max(a, axis=1), axis=0))
+        elif AXIS == 1:
+            tl.atomic_max(out_ptr + rows, tl.max(a, axis=1), mask=rows < R)
+        else:
+            tl.atomic_max(out_ptr + cols, tl.max(a, axis=0), mask=cols < C)
+
+    @triton.jit
+    def _pow2(amax, EMAXC: tl.constexpr):
+        """(s, 1/s) exactly as ``pow2_scale`` computes them."""
+        a = tl.maximum(amax, 7.888609052210118e-31)  # 2**-100
+        bits = a.to(tl.int32, bitcast=True)
+        e = (bits >> 23) - 127
+        over = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        k = EMAXC - e - over
+        k = tl.minimum(tl.maximum(k, -126), 126)
+        s = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        sinv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        finite = a < float("inf")
+        return tl.where(finite, s, float("nan")), tl.where(finite, sinv, float("nan"))
+
+    @triton.jit
+    def _round_to_grid(y, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        """y rounded to the nearest fp8 value (ties to even), still in fp32, so the fp8 store that follows is exact.
+        Rounded here rather than by the store's conversion because the interpreter's fp32 → fp8 conversion does
+        not round correctly (124.3 → 64 in e4m3; triton 3.9). The GPU's conversion (round to nearest even) gets
+        values already on the grid, so it changes nothing there; both agree with torch's cast bit for bit."""
+        bits = y.to(tl.int32, bitcast=True)
+        e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN) - MBITS  # the grid step at |y| is 2^e
+        ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        t = tl.abs(y) * inv  # exact (a power of two), |t| < 2^(MBITS+1)
+        t = ((t + 12582912.0) - 12582912.0) * ulp  # 1.5·2^23: round to the nearest integer, ties to even
+        sign = (bits >> 31) << 31  # y's sign bit (so -0 stays -0), kept in int32
+        return (t.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _cast_kernel(
+        x_ptr, amax_ptr, q_ptr, qt_ptr, sinv_ptr, R, C, stride_r, ldt, FMAX,
+        AXIS: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr, EMAXC: tl.constexpr,
+        MBITS: tl.constexpr, EMIN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ):  # fmt: skip
+        pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+        rows = pid_r * BR + tl.arange(0, BR)
+        cols = pid_c * BC + tl.arange(0, BC)
+        rm, cm = rows < R, cols < C
+        m = rm[:, None] & cm[None, :]
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if AXIS == 0:
+            s, sinv = _pow2(tl.load(amax_ptr), EMAXC)
+            y = x * s
+            if (pid_r == 0) & (pid_c == 0):
+                tl.store(sinv_ptr, sinv)
+        elif AXIS == 1:
+            s, sinv = _pow2(tl.load(amax_ptr + rows, mask=rm, other=0.0), EMAXC)
+            y = x * s[:, None]
+            if pid_c == 0:
+                tl.store(sinv_ptr + rows, sinv, mask=rm)
+        else:
+            s, sinv = _pow2(tl.load(amax_ptr + cols, mask=cm, other=0.0), EMAXC)
+            y = x * s[None, :]
+            if pid_r == 0:
+                tl.store(sinv_ptr + cols, sinv, mask=cm)
+        y = _round_to_grid(tl.clamp(y, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL), MBITS, EMIN)
+        if WRITE_Q:
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=m)
+        if WRITE_T:  # rows R..ldt of the transpose are the zero padding (x loaded as 0 there)
+            yt = tl.trans(y).to(qt_ptr.dtype.element_ty)
+            mt = cm[:, None] & (rows < ldt)[None, :]
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * ldt + rows[None, :], yt, mask=mt)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton on the GPU, and on CPU only under TRITON_INTERPRET=1 (the tests); the torch reference elsewhere."""
+    return triton is not None and (x.is_cuda or _interpreting())
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    fmt: torch.dtype,
+    axis: Axis = "tensor",
+    *,
+    write_q: bool = True,
+    transpose: bool = False,
+    pad_to: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(q [R, C] or None, qᵀ [C, pad_to or R] or None, inverse scale) of the 2-D ``x``: the values
+    ``quantize_reference`` gives, from two kernels. ``write_q`` and ``transpose`` may both be set (a weight's two
+    operand layouts from one read)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if transpose and x.dtype == torch.float32 and x.is_cuda:
+        # triton 3.6 on sm_90 wrote every fourth row of the transposed fp8 block wrong from an fp32 input (bf16
+        # inputs are exact; tests/test_gpu_fp8.py): fp32 inputs (weights, once per optimizer step) transpose in torch
+        q, _, sinv = quantize_triton(x, fmt, axis)
+        qt = torch.zeros(x.shape[1], x.shape[0] if pad_to is None else pad_to, dtype=fmt, device=x.device)
+        qt[:, : x.shape[0]] = q.t()
+        return (q if write_q else None), qt, sinv
+    r, c = x.shape
+    ldt = r if pad_to is None else pad_to
+    n_scales = 1 if axis == "tensor" else (r if axis == "row" else c)
+    amax = torch.zeros(n_scales, dtype=torch.float32, device=x.device)
+    sinv = torch.empty(n_scales, dtype=torch.float32, device=x.device)
+    q = torch.empty(r, c, dtype=fmt, device=x.device) if write_q else None
+    qt = torch.empty(c, ldt, dtype=fmt, device=x.device) if transpose else None
+    br, bc = 64, 64
+    if r and c:
+        _amax_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](x, amax, r, c, x.stride(0), _AXIS_ID[axis], br, bc)
+    rows = max(r, ldt) if transpose else r
+    if rows and c:
+        _cast_kernel[(triton.cdiv(rows, br), triton.cdiv(c, bc))](
+            x, amax, q if q is not None else sinv, qt if qt is not None else sinv, sinv, r, c, x.stride(0), ldt,
+            fp8_max(fmt), _AXIS_ID[axis], write_q, transpose, EMAX[fmt], *_GRID[fmt], br, bc,
+        )  # fmt: skip
+    elif axis == "tensor" or n_scales:
+        sinv = 1.0 / pow2_scale(amax, fmt)
+    return q, qt, sinv.reshape(()) if axis == "tensor" else sinv
+
+
+def quantize(
+    x: torch.Tensor, fmt: torch.dtype, axis: Axis = "tensor", transpose: bool = False, pad_to: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_reference``'s (q, inverse scale), from the Triton kernels where they run (``use_triton``)."""
+    if not use_triton(x):
+        return quantize_reference(x, fmt, axis, transpose, pad_to)
+    q, qt, sinv = quantize_triton(x, fmt, axis, write_q=not transpose, transpose=transpose, pad_to=pad_to)
+    return (qt if transpose else q), sinv

@@ -1,0 +1,105 @@
+"""fp8 GEMMs as a model converter (``train.fp8``), the way the 2:4 converter plugs in.
+
+    conv = fp8_converter(cfg, model)       # None when train.fp8=off; installs Fp8Gemm on qkv/proj/fc1/fc2
+    ... optimizer step ...
+    conv.post_optimizer_step()             # the fp8 weight copies from the new masters, in place
+
+What stays in bf16: the output layer and the loss (``loss/``: CCE's logit GEMMs), the embeddings, and on CUDA the
+linears whose GEMMs are too small for fp8 to pay for its casts (``train.fp8_min_mnk``, decision 1001). 2:4 fc1/fc2
+run dense fp8 GEMMs on their masked weights W ⊙ M (on Hopper fp8 dense beats 2:4 in bf16 or fp8: decision 1001).
+Under tensor parallelism each TP shard scales its own operands: no amax all-reduce (decision 1000).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megasparse.fp8.gemm import Fp8Gemm, Recipe
+from megasparse.parallel.layers import DENSE
+
+__all__ = ["Fp8Converter", "fp8_converter", "fp8_from_config"]
+
+
+def _log0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class Fp8Converter:
+    """Installs ``Fp8Gemm`` on a model's block linears and refreshes their fp8 weight copies after each step."""
+
+    def __init__(self, recipe: Recipe, wgrad_fp8: bool = False, min_mnk: float = 0.0, rows: int = 0) -> None:
+        self.recipe, self.wgrad_fp8 = recipe, wgrad_fp8
+        self.min_mnk, self.rows = min_mnk, rows
+        """A CUDA linear runs fp8 when ``rows`` (its smallest GEMM's token rows) · out · in ≥ ``min_mnk``."""
+        self.gemms: dict[str, Fp8Gemm] = {}
+        self.skipped: dict[str, str] = {}
+        """weight name → why it kept its GEMM."""
+
+    def convert(self, model: torch.nn.Module) -> dict[str, Fp8Gemm]:
+        """Every linear the model names (``model.linears()``: qkv, proj, fc1, fc2) that still runs the dense GEMM."""
+        return self.convert_linears(model.linears())
+
+    def convert_linears(self, linears: dict[str, torch.nn.Module]) -> dict[str, Fp8Gemm]:
+        for name, lin in linears.items():
+            n, k = lin.weight.shape
+            masked = getattr(lin.gemm, "masked_weight", None)  # a 2:4 GEMM: fp8 over its W ⊙ M
+            if lin.gemm is not DENSE and masked is None:
+                self.skipped[name] = f"keeps its {type(lin.gemm).__name__}"
+            elif lin.weight.is_cuda and (n % 16 or k % 16):
+                self.skipped[name] = f"[{n}, {k}] is not a multiple of 16 (torch._scaled_mm)"
+            elif lin.weight.is_cuda and self.rows * n * k < self.min_mnk:
+                self.skipped[name] = f"GEMMs below train.fp8_min_mnk={self.min_mnk:.3g}"
+            elif masked is not None:
+                lin.gemm.fp8 = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8, source=masked)
+            else:
+                lin.gemm = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8)
+        self.refresh()
+        return self.gemms
+
+    def refresh(self) -> None:
+        """The fp8 copies from the current masters (after an optimizer step or a checkpoint load)."""
+        for g in self.gemms.values():
+            g.refresh()
+
+    def post_optimizer_step(self) -> None:
+        self.refresh()
+
+    def capture_blocker(self) -> str | None:
+        """None: the fp8 GEMMs capture (their weight copies are refreshed in place outside the graphs)."""
+        return None
+
+    def banner(self, device: torch.device) -> str:
+        kinds = sorted({n.rsplit(".", 2)[-2] for n in self.gemms})
+        how = (
+            "torch._scaled_mm"
+            if device.type == "cuda"
+            else "emulated on CPU (exact fp8 rounding and scales, fp32 products: for tests, not speed)"
+        )
+        grads = "e4m3 weights/activations, e5m2 gradients"
+        line = f"fp8: {self.recipe} scaling ({grads}) on {len(self.gemms)} GEMMs ({', '.join(kinds)}), {how}"
+        kept = sorted({why for why in self.skipped.values()})
+        if kept:
+            line += f"; {len(self.skipped)} linears unchanged ({'; '.join(kept)})"
+        return line + "; output layer and loss in bf16"
+
+
+def fp8_from_config(cfg) -> Fp8Converter | None:
+    """The converter for ``train.fp8`` (None when off), not yet applied: the trainer converts after the 2:4 FFNs."""
+    if cfg.train.fp8 == "off":
+        return None
+    f = cfg.filter
+    kept = f.keep_ratio if f.mode == "collider" else 1.0
+    rows = int(cfg.model.seq_length * cfg.train.micro_batch_size * kept)  # a TP region's GEMMs see the whole sequence
+    return Fp8Converter(cfg.train.fp8, min_mnk=cfg.train.fp8_min_mnk, rows=rows)
+
+
+def fp8_converter(cfg, model: torch.nn.Module, device: torch.device) -> Fp8Converter | None:
+    """The converter for ``train.fp8`` (None when off), applied to ``model``, with its one-line banner on rank 0."""
+    conv = fp8_from_config(cfg)
+    if conv is None:
+        return None
+    conv.convert(model)
+    _log0(conv.banner(device))
+    return conv
