@@ -192,6 +192,7 @@ def test_cudagraph_asks_components_instead_of_knowing_them():
         ("sparse24/converter.py", "Sparse24Converter"),
         ("loss/pipeline.py", "VocabOverPP"),
         ("parallel/dist_optim.py", "DistributedAdamW"),
+        ("fp8/converter.py", "Fp8Converter"),
     ]:
         tree = ast.parse((PKG / owner).read_text(encoding="utf-8"))
         (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]

@@ -41,6 +41,16 @@ def test_plain_1f1b_stages_capture(overrides: list[str]) -> None:
     assert _blocker(*overrides) is None
 
 
+def test_fp8_is_asked_and_captures() -> None:
+    """The fp8 converter is one of the components cudagraph asks, and it does not block capture."""
+    from megasparse.fp8.converter import Fp8Converter
+
+    cfg = load_config(None, tiny(model__num_layers=4) + ["parallel.pp=2", "train.fp8=tensorwise"])
+    parts = components_for_capture_check(cfg)
+    assert [type(c) for c in parts if isinstance(c, Fp8Converter)] == [Fp8Converter]
+    assert capture_blocker(cfg, 2, CUDA, parts) is None
+
+
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
