@@ -133,7 +133,7 @@ def _kept_rows(recipe: str) -> dict:
     state.init(1, 1, False, "gloo")
     out = {}
     for cls, (i, o) in ((ColumnParallelLinear, (24, [40])), (RowParallelLinear, (40, 24))):
-        lin = cls(i, o, name="lin", init_std=0.2, seed=5, device="cpu")
+        lin = cls(i, o, name="lin", init_std=0.2, seed=5, device="cpu", pg=state.groups())
         lin.gemm = Fp8Gemm(lin.weight, recipe)
         x = (torch.randn(13, 3, i, generator=torch.Generator().manual_seed(1))).requires_grad_()
         y = lin(x)
