@@ -37,7 +37,8 @@ def measure(mode: str, layers: int, seq: int, micro: int, reps: int = 5) -> dict
     )  # fmt: skip
     # bf16 parameters: the per-use cast is then the parameter itself, so ``saved`` counts activations only (the
     # trainer's compute copies exist once per step, not per use)
-    blocks = [TransformerBlock(cfg, i, 0, "cuda", False, torch.bfloat16).to(torch.bfloat16) for i in range(layers)]
+    pg = state.groups()
+    blocks = [TransformerBlock(cfg, i, 0, "cuda", False, torch.bfloat16, pg).to(torch.bfloat16) for i in range(layers)]
     cos, sin = rope_tables(seq, cfg.head_dim, cfg.rope_theta, "cuda")
     x0 = torch.randn(seq, micro, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     g = torch.randn_like(x0)

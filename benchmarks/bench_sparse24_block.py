@@ -94,7 +94,7 @@ def make_cfg(args: argparse.Namespace, model_ov: list[str], extra: list[str] = (
 # ------------------------------------------------------------------------------------------------ block
 def build_block(cfg: Config, dev: torch.device, dtype: torch.dtype, sparse: bool):
     """One TransformerBlock; when ``sparse``, its FFN is made 2:4 by the trainer's own Sparse24Converter."""
-    block = TransformerBlock(cfg.model, 0, cfg.train.seed, dev, False, dtype)
+    block = TransformerBlock(cfg.model, 0, cfg.train.seed, dev, False, dtype, state.groups())
     mgr = None
     if sparse:
         cfg.sparsity.enabled = True

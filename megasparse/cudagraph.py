@@ -25,12 +25,15 @@ and every later step replays them (docs/decisions/0007, addendum).
 host (``Sparse24Gemm.prepare_replay``); a mask refresh or the switch to dense fine-tuning changes the buffers the
 GEMMs read, and the graph is captured again (every ``sparsity.refresh_interval`` steps).
 
-Where it is not exact or not capturable, ``capture_blocker`` names why, and the trainer runs eagerly and logs it.
+This module is the step's CUDA-graph executor (``step/executor.py`` composes it): the schedule runs each micro-batch
+through the handler ``CapturedSteps.in_flight`` returns. It knows no feature: where a run is not exact or not
+capturable, ``capture_blocker`` asks the components it is given (each says why itself) and the trainer runs eagerly
+and logs the reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,80 +44,56 @@ from megasparse.ops.compact import CompactGrad
 from megasparse.parallel import comm, state
 from megasparse.parallel.pipeline import StageComm, catch_grad, in_flight_slots
 
+# ``step`` below is a ``step.microbatch.MicrobatchStep``: forward(i, x, chunk, batch), backward(i, out, grad) and the
+# step's loss accumulator ``loss_sum``, which a captured graph re-points at its own static tensor
 
-def capture_blocker(cfg, pp: int, device: torch.device) -> str | None:
-    """Why this run cannot use the captured micro-batch (None: it can)."""
+
+def capture_blocker(cfg, pp: int, device: torch.device, components: Iterable = ()) -> str | None:
+    """Why this run cannot use captured micro-batches (None: it can).
+
+    This module knows only what the capture itself needs (CUDA, the flag, a schedule it replays inside); every
+    feature says for itself why it cannot be captured: each of ``components`` (the token filter, the 2:4 converter,
+    the vocabulary over PP, the distributed optimizer; None where off) is asked ``capture_blocker()`` in order."""
     if not cfg.train.cuda_graphs:
         return "train.cuda_graphs=false"
     if device.type != "cuda":
         return "not on CUDA"
     if pp > 1 and cfg.parallel.virtual_stages > 1:
         return "parallel.virtual_stages > 1 (the interleaved schedule's chunks run eagerly)"
-    if cfg.filter.mode == "collider":
-        seq_count, shards = _static_counts(cfg)
-        if seq_count is None and cfg.train.micro_batch_size > 1:
-            return (
-                f"filter.granularity={cfg.filter.granularity} at micro_batch_size > 1 (the compact attention backward "
-                "reads each sequence's kept count on the host; granularity=balanced or sequence fixes it)"
-            )
-        if shards != cfg.parallel.sp_shards:
-            return (
-                f"filter.granularity={cfg.filter.granularity} under SP (each SP rank's kept count is read from the "
-                "indices on the host; granularity=balanced fixes it)"
-            )
-    f = cfg.filter
-    if f.mode != "off" and f.scorer == "random":
-        return "filter.scorer=random draws from a generator seeded per micro-batch on the host"
-    if f.mode != "off" and f.scorer == "excess" and f.reference != "model":
-        return f"filter.reference={f.reference} looks reference losses up on the host"
-    if f.mode != "off" and f.scorer == "excess":
-        return "filter.reference=model runs a second model per micro-batch"
-    if cfg.sparsity.enabled and cfg.sparsity.mvue:
-        return "sparsity.mvue draws its random seeds on the host"
-    if cfg.loss.vocab_over_pp:
-        return "loss.vocab_over_pp"
-    if cfg.parallel.distributed_optimizer:
-        return "parallel.distributed_optimizer (bf16 gradients reach fp32 buffers through hooks; gathers are waited on)"
+    for c in components:
+        why = None if c is None else c.capture_blocker()
+        if why is not None:
+            return why
     return None
 
 
-def _static_counts(cfg) -> tuple[int | None, int]:
-    """(kept rows per sequence, SP shards balanced) that the selection fixes by shape (``selection.static_counts``)."""
-    from megasparse.filtering.selection import static_counts
-
-    f = cfg.filter
-    shape = (cfg.model.seq_length, cfg.train.micro_batch_size)
-    return static_counts(shape, f.keep_ratio, f.granularity, cfg.parallel.sp_shards)
-
-
-def sparse_gemms(model: torch.nn.Module) -> list:
-    """The 2:4 GEMM adapters the converter installed (their operands are refreshed before replays)."""
-    from megasparse.sparse24.gemm import Sparse24Gemm
-
-    return [m.gemm for m in model.modules() if isinstance(getattr(m, "gemm", None), Sparse24Gemm)]
+def replay_key(components: Iterable) -> tuple:
+    """Bring the components' graph operands up to date in place (``prepare_replay``: the 2:4 GEMMs); the key of the
+    buffers they read, which changes when they move to new ones."""
+    return tuple(k for c in components if c is not None and hasattr(c, "prepare_replay") for k in c.prepare_replay())
 
 
 class MicrobatchGraph:
-    """``run_one(batch)`` captured once, replayed for each micro-batch's tokens.
+    """One micro-batch's forward + loss + backward (``step``) captured once, replayed for each micro-batch's tokens.
 
-    ``run_one`` adds the micro-batch's summed per-token loss into ``acc["loss"]`` (in place) and runs its backward;
-    the captured graph writes into this object's static accumulator and the parameters' ``.grad``."""
+    The forward adds the micro-batch's summed per-token loss into ``step.loss_sum`` (in place) and the backward
+    accumulates into the parameters' ``.grad``; captured, they write this object's static accumulator and the same
+    ``.grad`` tensors. It is also the 1F1B schedule's in-flight handler at pp = 1: ``forward`` copies the tokens into
+    the static buffer, ``backward`` replays the graph (one replay per micro-batch, in order)."""
 
-    def __init__(
-        self,
-        run_one: Callable[[Batch], None],
-        example: Batch,
-        params: list[torch.nn.Parameter],
-        acc: dict,
-        warmup: int = 2,
-    ):
+    def __init__(self, step, example: Batch, params: list[torch.nn.Parameter], warmup: int = 2):
         self.batch = Batch(example.tokens.clone(), example.samples, example.positions)
         self.loss_acc = torch.zeros((), dtype=torch.float64, device=example.tokens.device)
         self.params = [p for p in params if p.requires_grad]
         for p in self.params:  # the backward must accumulate into tensors that outlive the capture
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        acc["loss"] = self.loss_acc
+        self.batches: list[Batch] = []
+        step.loss_sum = self.loss_acc
+
+        def run_one(b: Batch) -> None:
+            step.backward(0, step.forward(0, None, 0, b), None)
+
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -128,13 +107,19 @@ class MicrobatchGraph:
         # (DataParallelOptimizer.zero_grad, before the first micro-batch), so the replays need no zeroing of their own
         torch._foreach_zero_([p.grad for p in self.params])
 
-    def run(self, batches: list[Batch], acc: dict) -> None:
-        """One step: clear the loss accumulator, replay once per micro-batch."""
+    def start(self, batches: list[Batch], step) -> MicrobatchGraph:
+        """Begin a step over ``batches``: the loss accumulator cleared and handed to ``step``."""
+        self.batches = batches
         self.loss_acc.zero_()
-        for b in batches:
-            self.batch.tokens.copy_(b.tokens, non_blocking=True)
-            self.graph.replay()
-        acc["loss"] = self.loss_acc
+        step.loss_sum = self.loss_acc
+        return self
+
+    def forward(self, key, mb: int, x: torch.Tensor | None) -> None:
+        """Micro-batch ``mb``'s tokens into the static buffer (the graph runs forward and backward at once)."""
+        self.batch.tokens.copy_(self.batches[mb].tokens, non_blocking=True)
+
+    def backward(self, key, mb: int, g: torch.Tensor | None) -> None:
+        self.graph.replay()
 
     def release(self) -> None:
         """Give the graph's private memory pool back (a trainer that is dropped while others run)."""
@@ -178,21 +163,13 @@ class StageGraphs:
     next replay on the same stream.
 
     The object is also the schedule's in-flight handler (``pipeline.one_f_one_b(..., in_flight=)``): ``forward`` and
-    ``backward`` take the received tensors and return what to send, like ``pipeline._InFlight``."""
+    ``backward`` take the received tensors and return what to send, like ``pipeline.InFlight``."""
 
-    def __init__(
-        self,
-        p2p: StageComm,
-        forward_step: Callable,
-        backward_step: Callable,
-        example: Batch,
-        acc: dict,
-        num_mb: int,
-    ):
+    def __init__(self, p2p: StageComm, step, example: Batch, num_mb: int):
         lay = state.layout()
         self.first, self.last = lay.is_first_stage, lay.is_last_stage
         self.loss_acc = torch.zeros((), dtype=torch.float64, device=example.tokens.device)
-        acc["loss"] = self.loss_acc  # the last stage's forward adds each micro-batch's loss sum into it in place
+        step.loss_sum = self.loss_acc  # the last stage's forward adds each micro-batch's loss sum into it in place
         self.batches: list[Batch] = []
         self.slots: list[_Slot] = []
         spec = p2p.spec
@@ -204,20 +181,20 @@ class StageGraphs:
                 tokens = Batch(example.tokens.clone(), example.samples, example.positions)
                 slot = _Slot(tokens, x, torch.cuda.graph_pool_handle())
                 self.slots.append(slot)
-                self._capture(slot, p2p, forward_step, backward_step)
+                self._capture(slot, p2p, step)
         except Exception:
             self.release()
             raise
 
-    def _capture(self, s: _Slot, p2p: StageComm, forward_step: Callable, backward_step: Callable) -> None:
+    def _capture(self, s: _Slot, p2p: StageComm, step) -> None:
         s.fwd = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread polls the eager P2P transfers' events while a stage captures
         with torch.cuda.graph(s.fwd, pool=s.pool, capture_error_mode="thread_local"):
             x = None if s.x is None else catch_grad(s.x, s.caught)
-            out = forward_step(0, x, 0, s.batch)
+            out = step.forward(0, x, 0, s.batch)
             if self.last:
                 with comm.phase("backward"):
-                    backward_step(0, out, None)
+                    step.backward(0, out, None)
         if self.last:
             return
         s.out = out.detach()
@@ -230,14 +207,14 @@ class StageGraphs:
         s.bwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(s.bwd, pool=s.pool, capture_error_mode="thread_local"), comm.phase("backward"):
             g = s.grad if s.idx is None else p2p.compact_grad(s.idx, s.rows)
-            backward_step(0, out, g)
+            step.backward(0, out, g)
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def start(self, batches: list[Batch], acc: dict) -> StageGraphs:
-        """Begin a step over ``batches``: the loss accumulator cleared and handed to ``acc``."""
+    def start(self, batches: list[Batch], step) -> StageGraphs:
+        """Begin a step over ``batches``: the loss accumulator cleared and handed to ``step``."""
         self.batches = batches
         self.loss_acc.zero_()
-        acc["loss"] = self.loss_acc
+        step.loss_sum = self.loss_acc
         return self
 
     def _slot(self, mb: int) -> _Slot:
@@ -292,18 +269,19 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
 
 
-def _log0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
-
-
 class CapturedSteps:
-    """The trainer's side of it: capture when the run allows, capture again when the 2:4 operands change, and run
-    eagerly (saying why, once) when a capture fails. pp = 1 replays one captured micro-batch (``run``); pp > 1
-    replays a stage's per-slot graphs inside the 1F1B schedule (``stage``)."""
+    """The CUDA-graph executor: capture when the run allows, capture again when the 2:4 operands change, and run
+    eagerly (saying why, once) when a capture fails. ``in_flight`` hands the schedule this step's handler: pp = 1
+    replays one captured micro-batch (``run``), pp > 1 a stage's per-slot graphs inside 1F1B (``stage``); None: run
+    the step eagerly.
 
-    def __init__(self, cfg, pp: int, device: torch.device, model: torch.nn.Module):
-        self.blocker = capture_blocker(cfg, pp, device)
+    ``components``: the trainer's components (None where off), asked ``capture_blocker()`` and, where they have
+    it, ``prepare_replay()`` (their operands brought up to date before the replays; a new key recaptures)."""
+
+    def __init__(self, cfg, pp: int, device: torch.device, model: torch.nn.Module, components: Iterable = ()):
+        self.components = list(components)
+        self.blocker = capture_blocker(cfg, pp, device, self.components)
+        self.pp = pp
         self.model = model
         self.graph: MicrobatchGraph | None = None
         self.stage_graphs: StageGraphs | None = None
@@ -315,7 +293,7 @@ class CapturedSteps:
         self.moves: list[int] = []
         """pp > 1: steps whose 2:4 operands moved (each costs an eager step and a capture)."""
         if device.type == "cuda" and self.blocker is not None:
-            _log0(f"cuda graphs off: {self.blocker}")
+            state.log0(f"cuda graphs off: {self.blocker}")
 
     @property
     def active(self) -> bool:
@@ -325,7 +303,7 @@ class CapturedSteps:
     def _new_operands(self, step: int) -> bool:
         """Bring the 2:4 operands up to date in place; True when they moved to new buffers (graphs that read the old
         ones are released: new masks, the autotune's switch, dense fine-tuning)."""
-        key = tuple(g.prepare_replay() for g in sparse_gemms(self.model))  # 2:4 operands updated in place
+        key = replay_key(self.components)  # 2:4 operands updated in place
         moved = key != self.key
         if moved and self.active:
             self.release()
@@ -333,34 +311,31 @@ class CapturedSteps:
         self.key = key
         return moved
 
-    def run(self, batches: list[Batch], run_one: Callable[[Batch], None], acc: dict, step: int) -> bool:
-        """Replay the captured micro-batch for each batch (capturing it first); False: run this step eagerly."""
+    def in_flight(self, batches: list[Batch], p2p: StageComm, step, step_no: int):
+        """This step's in-flight handler for the schedule (captured first when needed), or None: run it eagerly."""
+        if self.pp == 1:
+            return self.run(batches, step, step_no)
+        return self.stage(batches, p2p, step, step_no)
+
+    def run(self, batches: list[Batch], step, step_no: int) -> MicrobatchGraph | None:
+        """pp = 1: the captured micro-batch, replayed once per batch by 1F1B (capturing it first); None: eager."""
         if self.blocker is not None:
-            return False
-        if self._new_operands(step) and _every_step(self.recaptures):
+            return None
+        if self._new_operands(step_no) and _every_step(self.recaptures):
             return self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
         if self.graph is None:
             try:
-                self.graph = MicrobatchGraph(run_one, batches[0], list(self.model.parameters()), acc)
+                self.graph = MicrobatchGraph(step, batches[0], list(self.model.parameters()))
             except Exception as e:  # noqa: BLE001 - an uncapturable op: say so once and stay eager
                 for p in self.model.parameters():  # the warm-up passes' gradients, in place: DP bucket slices
                     if p.grad is not None:
                         p.grad.zero_()
-                acc["loss"] = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
+                step.loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
                 return self._off(f"capture failed ({_root_cause(e)})")
-            _log0(f"cuda graphs: one micro-batch captured, replayed {len(batches)}x per step")
-        self.graph.run(batches, acc)
-        return True
+            state.log0(f"cuda graphs: one micro-batch captured, replayed {len(batches)}x per step")
+        return self.graph.start(batches, step)
 
-    def stage(
-        self,
-        batches: list[Batch],
-        p2p: StageComm,
-        forward_step: Callable,
-        backward_step: Callable,
-        acc: dict,
-        step: int,
-    ) -> StageGraphs | None:
+    def stage(self, batches: list[Batch], p2p: StageComm, step, step_no: int) -> StageGraphs | None:
         """pp > 1: this step's in-flight handler for ``one_f_one_b`` (captured before the schedule when needed), or
         None: run this step eagerly (blocked, the warm-up step before a capture, or a failed capture).
 
@@ -369,9 +344,9 @@ class CapturedSteps:
         if self.blocker is not None:
             return None
         first = not self.key  # the first key (or none: no 2:4 GEMMs) is no move
-        if self._new_operands(step) and not first:
+        if self._new_operands(step_no) and not first:
             self.warm = False
-            self.moves.append(step)
+            self.moves.append(step_no)
             if _every_step(self.moves):
                 self._off("2:4 operands are rebuilt every step (in-place value refresh unverified)")
                 return None
@@ -380,24 +355,24 @@ class CapturedSteps:
                 self.warm = True
                 return None
             try:
-                self.stage_graphs = StageGraphs(p2p, forward_step, backward_step, batches[0], acc, len(batches))
+                self.stage_graphs = StageGraphs(p2p, step, batches[0], len(batches))
             except Exception as e:  # noqa: BLE001 - an uncapturable op: say so once and stay eager
-                acc["loss"] = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
+                step.loss_sum = torch.zeros((), dtype=torch.float64, device=batches[0].tokens.device)
                 self._off(f"capture failed ({_root_cause(e)})")
                 return None
             n = len(self.stage_graphs.slots)
             what = "one graph (forward + backward)" if self.stage_graphs.last else f"{n} forward + {n} backward graphs"
-            _log0(f"cuda graphs: pipeline stage captured as {what}, replayed inside 1F1B")
-        return self.stage_graphs.start(batches, acc)
+            state.log0(f"cuda graphs: pipeline stage captured as {what}, replayed inside 1F1B")
+        return self.stage_graphs.start(batches, step)
 
-    def _off(self, why: str) -> bool:
+    def _off(self, why: str) -> None:
         """Stay eager from now on. Said on every rank it happens on: stages and TP ranks may differ (a rank that
         replays and one that runs eagerly issue the same transfers and collectives, so they still meet)."""
         self.blocker = why
         self.release()
         rank = f"rank {dist.get_rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""
         print(f"{rank}cuda graphs off: {why}", flush=True)
-        return False
+        return None
 
     def release(self) -> None:
         if self.graph is not None:

@@ -80,7 +80,7 @@ def _layer_grads(fuse: bool) -> dict:
     from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
     state.init(1, 1, False, "gloo")
-    kw = dict(init_std=0.1, seed=3, device="cpu", compute_dtype=torch.bfloat16)
+    kw = dict(init_std=0.1, seed=3, device="cpu", compute_dtype=torch.bfloat16, pg=state.groups())
     emb = VocabParallelEmbedding(40, 16, name="emb", vocab_size=37, **kw)
     fc1 = ColumnParallelLinear(16, [24, 8], name="fc1", **kw)
     fc2 = RowParallelLinear(32, 16, name="fc2", **kw)

@@ -1,4 +1,5 @@
-"""Which runs capture CUDA graphs (``cudagraph.capture_blocker``), decided from the config alone: no device needed.
+"""Which runs capture CUDA graphs (``cudagraph.capture_blocker`` asking the run's components), decided from the config
+alone: no device needed.
 
 Pipeline stages under plain 1F1B capture (one graph pair per in-flight slot); the interleaved schedule, lock-step
 vocabulary over the pipeline and selections whose per-SP-rank row count depends on the data stay eager and say why.
@@ -12,6 +13,7 @@ from tiny import tiny
 
 from megasparse.config import load_config
 from megasparse.cudagraph import capture_blocker
+from megasparse.step.build import components_for_capture_check
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing is allocated
 _COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
@@ -20,7 +22,7 @@ _MB1 = ["train.micro_batch_size=1"]
 
 def _blocker(*overrides: str, pp: int = 2) -> str | None:
     cfg = load_config(None, tiny(model__num_layers=4) + [f"parallel.pp={pp}", *overrides])
-    return capture_blocker(cfg, pp, CUDA)
+    return capture_blocker(cfg, pp, CUDA, components_for_capture_check(cfg))
 
 
 @pytest.mark.parametrize(
@@ -37,6 +39,16 @@ def _blocker(*overrides: str, pp: int = 2) -> str | None:
 )
 def test_plain_1f1b_stages_capture(overrides: list[str]) -> None:
     assert _blocker(*overrides) is None
+
+
+def test_fp8_is_asked_and_captures() -> None:
+    """The fp8 converter is one of the components cudagraph asks, and it does not block capture."""
+    from megasparse.fp8.converter import Fp8Converter
+
+    cfg = load_config(None, tiny(model__num_layers=4) + ["parallel.pp=2", "train.fp8=tensorwise"])
+    parts = components_for_capture_check(cfg)
+    assert [type(c) for c in parts if isinstance(c, Fp8Converter)] == [Fp8Converter]
+    assert capture_blocker(cfg, 2, CUDA, parts) is None
 
 
 @pytest.mark.parametrize(
@@ -68,11 +80,11 @@ def test_host_read_selections_stay_eager_at_pp1_too(granularity: str) -> None:
 
 def test_cpu_runs_stay_eager() -> None:
     cfg = load_config(None, tiny(model__num_layers=4) + ["parallel.pp=2"])
-    assert capture_blocker(cfg, 2, torch.device("cpu")) == "not on CUDA"
+    assert capture_blocker(cfg, 2, torch.device("cpu"), components_for_capture_check(cfg)) == "not on CUDA"
 
 
 class _Operands:
-    """Stands in for a 2:4 GEMM adapter: ``prepare_replay`` names the buffers its GEMMs read (moved by ``move``)."""
+    """Stands in for the 2:4 converter: ``prepare_replay`` names the buffers its GEMMs read (moved by ``move``)."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -80,8 +92,11 @@ class _Operands:
     def move(self) -> None:
         self.version += 1
 
+    def capture_blocker(self) -> None:
+        return None
+
     def prepare_replay(self) -> tuple:
-        return ("fc1", self.version)
+        return (("fc1", self.version),)
 
 
 class _Captured:
@@ -93,7 +108,7 @@ class _Captured:
         type(self).made += 1
         self.slots, self.last = [0], True
 
-    def start(self, batches, acc):
+    def start(self, batches, step):
         return self
 
     def release(self) -> None:
@@ -105,16 +120,15 @@ def _stage_steps(monkeypatch, moves: set[int], steps: int) -> tuple[list[str], o
     from megasparse import cudagraph
 
     ops = _Operands()
-    monkeypatch.setattr(cudagraph, "sparse_gemms", lambda model: [ops])
     monkeypatch.setattr(cudagraph, "StageGraphs", _Captured)
     _Captured.made = 0
     cfg = load_config(None, tiny(model__num_layers=4) + ["parallel.pp=2"])
-    cs = cudagraph.CapturedSteps(cfg, 2, CUDA, torch.nn.Linear(2, 2))
+    cs = cudagraph.CapturedSteps(cfg, 2, CUDA, torch.nn.Linear(2, 2), [ops])
     seen, made = [], 0
     for step in range(steps):
         if step in moves:
             ops.move()
-        got = cs.stage([None], None, None, None, {}, step)
+        got = cs.stage([None], None, None, step)
         seen.append("eager" if got is None else ("capture" if _Captured.made > made else "replay"))
         made = _Captured.made
     return seen, cs

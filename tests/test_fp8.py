@@ -133,7 +133,7 @@ def _kept_rows(recipe: str) -> dict:
     state.init(1, 1, False, "gloo")
     out = {}
     for cls, (i, o) in ((ColumnParallelLinear, (24, [40])), (RowParallelLinear, (40, 24))):
-        lin = cls(i, o, name="lin", init_std=0.2, seed=5, device="cpu")
+        lin = cls(i, o, name="lin", init_std=0.2, seed=5, device="cpu", pg=state.groups())
         lin.gemm = Fp8Gemm(lin.weight, recipe)
         x = (torch.randn(13, 3, i, generator=torch.Generator().manual_seed(1))).requires_grad_()
         y = lin(x)
@@ -212,8 +212,9 @@ def _tp_layers_exact() -> dict:
     gy2 = torch.randn(s, b, h, generator=gen)  # row output gradient (all ranks: their sequence shard of it)
     q = lambda t, fmt, ax="tensor": dequantize(*quantize_reference(t.reshape(-1, t.shape[-1]), fmt, ax), ax).double()  # noqa: E731
     errs = {}
-    fc1 = ColumnParallelLinear(h, [f], name="fc1", init_std=0.2, seed=3, device="cpu", sequence_parallel=True)
-    fc2 = RowParallelLinear(f, h, name="fc2", init_std=0.2, seed=3, device="cpu", sequence_parallel=True)
+    kw = dict(init_std=0.2, seed=3, device="cpu", sequence_parallel=True, pg=state.groups())
+    fc1 = ColumnParallelLinear(h, [f], name="fc1", **kw)
+    fc2 = RowParallelLinear(f, h, name="fc2", **kw)
     for lin in (fc1, fc2):
         lin.gemm = Fp8Gemm(lin.weight, "tensorwise", wgrad_fp8=True)
     shard = slice(lay.tp_rank * s // 2, (lay.tp_rank + 1) * s // 2)

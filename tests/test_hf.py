@@ -58,7 +58,7 @@ def run_models(dirs: dict[str, str], parallel: dict[str, list[str]], out_dir: st
             tr.model.final_norm.register_forward_hook(lambda m, i, o, cap=cap: cap.update(h=cap.get("h", o.detach())))
         batches = tr._microbatches(tr.valid_ds, 0, 1)
         with torch.no_grad():
-            tr._forward_backward(batches, train=False)
+            tr.forward_backward(batches, False, tr.step)
         r: dict = {"ids": batches[0].tokens[:, :-1]}
         if "h" in cap and tr.lay.dp_rank == 0:  # [s, b, h] @ this TP rank's vocabulary rows
             r["logits"] = (cap["h"] @ tr.model.output_weight.t()).transpose(0, 1)
@@ -295,7 +295,7 @@ def gpu_filtered_step(hf_dir: str, out_dir: str) -> dict:
     tr = Trainer(cfg)
     batches = tr._microbatches(tr.valid_ds, 0, 1)
     with torch.no_grad():
-        s, t = tr._forward_backward(batches, train=False)
+        s, t = tr.forward_backward(batches, False, tr.step)
     return {"ids": batches[0].tokens.cpu(), "loss": (s / t).item(), "steps": [tr.train_step().loss for _ in range(2)]}
 
 

@@ -2,10 +2,10 @@
 
 The default CCE backward (the GEMM backend, what CUDA runs) over a vocabulary of many chunks, in bf16, after a final
 RMSNorm: its dE, dC and the norm weight's gradient against an fp64 reference and against the materialised bf16 loss
-(``loss.impl=materialized``). Before decision 0207 the running dE was rounded to bf16 once per chunk, which at 32 chunks put
-the norm weight's gradient several times further from fp64 than the materialised loss's. The GEMM backend's softmax
-kernels run under TRITON_INTERPRET=1 in a fresh process (``interpret.py``); the chunk bound is shrunk so a small
-vocabulary spans many chunks.
+(``loss.impl=materialized``). Before decision 0207 the running dE was rounded to bf16 once per chunk, which at 32
+chunks put the norm weight's gradient several times further from fp64 than the materialised loss's. The GEMM
+backend's softmax kernels run under TRITON_INTERPRET=1 in a fresh process (``interpret.py``); the chunk bound is
+shrunk so a small vocabulary spans many chunks.
 """
 
 from __future__ import annotations

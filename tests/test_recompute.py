@@ -65,7 +65,7 @@ def _saved_bytes(mode: str) -> int:
 
     state.init(1, 1, False, "gloo")
     cfg = ModelConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256, recompute=mode)
-    block = TransformerBlock(cfg, 0, seed=0, device="cpu", sp=False, dtype=torch.float32)
+    block = TransformerBlock(cfg, 0, seed=0, device="cpu", sp=False, dtype=torch.float32, pg=state.groups())
     params = {p.data_ptr() for p in block.parameters()}
     cos, sin = rope_tables(32, cfg.head_dim, cfg.rope_theta, "cpu")
     x = torch.randn(32, 2, 64, requires_grad=True)

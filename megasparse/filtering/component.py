@@ -53,8 +53,39 @@ class TokenFilter:
         shape = (seq_length, micro_batch_size)
         self.seq_count, self.shards = static_counts(shape, cfg.keep_ratio, cfg.granularity, sp_size)
         """What the granularity fixes by shape (KeepMeta.seq_count / shards): the compact path needs no host sync."""
+        self.micro_batch_size = micro_batch_size
         self.observer: Callable[[Batch, KeepMask], None] | None = None
         """Optional callback after every selection (studies: which tokens were kept)."""
+
+    @classmethod
+    def for_capture_check(cls, cfg: Config) -> TokenFilter | None:
+        """The run's filter without its reference source (None: mode off): enough to ask ``capture_blocker``."""
+        if cfg.filter.mode == "off":
+            return None
+        m, sp = cfg.model, cfg.parallel.sp_shards
+        return cls(cfg.filter, seq_length=m.seq_length, micro_batch_size=cfg.train.micro_batch_size, sp_size=sp)
+
+    def capture_blocker(self) -> str | None:
+        """Why a CUDA graph cannot capture this filter's selection (None: it can); ``cudagraph`` asks."""
+        f = self.cfg
+        if self.collider:
+            if self.seq_count is None and self.micro_batch_size > 1:
+                return (
+                    f"filter.granularity={f.granularity} at micro_batch_size > 1 (the compact attention backward "
+                    "reads each sequence's kept count on the host; granularity=balanced or sequence fixes it)"
+                )
+            if self.shards != self.sp_size:
+                return (
+                    f"filter.granularity={f.granularity} under SP (each SP rank's kept count is read from the "
+                    "indices on the host; granularity=balanced fixes it)"
+                )
+        if f.scorer == "random":
+            return "filter.scorer=random draws from a generator seeded per micro-batch on the host"
+        if f.scorer == "excess" and f.reference != "model":
+            return f"filter.reference={f.reference} looks reference losses up on the host"
+        if f.scorer == "excess":
+            return "filter.reference=model runs a second model per micro-batch"
+        return None
 
     @classmethod
     def from_config(

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megasparse.fp8.gemm import Fp8Gemm, Recipe
 from megasparse.parallel.layers import DENSE
 
-__all__ = ["Fp8Converter", "fp8_converter"]
+__all__ = ["Fp8Converter", "fp8_converter", "fp8_from_config"]
 
 
 def _log0(msg: str) -> None:
@@ -66,6 +66,10 @@ class Fp8Converter:
     def post_optimizer_step(self) -> None:
         self.refresh()
 
+    def capture_blocker(self) -> str | None:
+        """None: the fp8 GEMMs capture (their weight copies are refreshed in place outside the graphs)."""
+        return None
+
     def banner(self, device: torch.device) -> str:
         kinds = sorted({n.rsplit(".", 2)[-2] for n in self.gemms})
         how = (
@@ -81,14 +85,21 @@ class Fp8Converter:
         return line + "; output layer and loss in bf16"
 
 
-def fp8_converter(cfg, model: torch.nn.Module, device: torch.device) -> Fp8Converter | None:
-    """The converter for ``train.fp8`` (None when off), applied to ``model``, with its one-line banner on rank 0."""
+def fp8_from_config(cfg) -> Fp8Converter | None:
+    """The converter for ``train.fp8`` (None when off), not yet applied: the trainer converts after the 2:4 FFNs."""
     if cfg.train.fp8 == "off":
         return None
     f = cfg.filter
     kept = f.keep_ratio if f.mode == "collider" else 1.0
     rows = int(cfg.model.seq_length * cfg.train.micro_batch_size * kept)  # a TP region's GEMMs see the whole sequence
-    conv = Fp8Converter(cfg.train.fp8, min_mnk=cfg.train.fp8_min_mnk, rows=rows)
+    return Fp8Converter(cfg.train.fp8, min_mnk=cfg.train.fp8_min_mnk, rows=rows)
+
+
+def fp8_converter(cfg, model: torch.nn.Module, device: torch.device) -> Fp8Converter | None:
+    """The converter for ``train.fp8`` (None when off), applied to ``model``, with its one-line banner on rank 0."""
+    conv = fp8_from_config(cfg)
+    if conv is None:
+        return None
     conv.convert(model)
     _log0(conv.banner(device))
     return conv

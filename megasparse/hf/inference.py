@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megasparse.configbase import ConfigError, apply_override, from_dict, to_dict
+from megasparse.step.executor import global_mean
 
 
 def model_config(model: str, overrides: list[str] = ()):
@@ -70,10 +71,10 @@ def evaluate(cfg) -> dict:
     for k in bar:
         batches = tr._microbatches(tr.valid_ds, k * gbs, tr.num_mb)
         with torch.no_grad():
-            s, t = tr._forward_backward(batches, train=False)
+            s, t = tr.forward_backward(batches, False, tr.step)
         total += s
         tokens += t
-    loss = tr._global_mean(total, tokens)
+    loss = global_mean(total, tokens, tr.lay.is_last_stage, tr.device)
     res = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens * tr.dp, "batches": n}
     log0(f"eval: {n} batches, {res['tokens']} tokens, loss {loss:.6f}, perplexity {res['perplexity']:.4f}")
     return res

@@ -37,9 +37,10 @@ from megasparse.ops.compact import CompactGrad
 from megasparse.ops.wgrad import grad_buffer
 from megasparse.parallel import comm, rows, state
 from megasparse.parallel.embedding_pp import stage_rows
+from megasparse.parallel.pipeline import catch_grad
 from megasparse.parallel.vocab_pp_comm import broadcast_from_last, gather_tp_rows, merge_slice_stats, sum_slice_dgrad
 
-__all__ = ["FLOPS", "VocabPPPeer", "reset_flops", "slice_range", "stage_rows", "vocab_pp_loss"]
+__all__ = ["FLOPS", "VocabOverPP", "VocabPPPeer", "reset_flops", "slice_range", "stage_rows", "vocab_pp_loss"]
 
 
 @dataclass
@@ -254,3 +255,51 @@ class VocabPPPeer:
         if self.weight.grad is None:
             self.weight.grad = torch.zeros_like(self.weight)
         self.weight.grad.add_(d_c)
+
+
+class VocabOverPP:
+    """``loss.vocab_over_pp`` as one trainer component: the hooks a step calls around its micro-batches.
+
+    * ``begin(batches, train)``: under ``loss.embedding_over_pp`` every stage looks the step's inputs up at once
+      (``PPEmbedding.lookup_all``); the first stage's gradients of them are caught for ``finish``.
+    * ``input(i)``: the first stage's embedded input of micro-batch i (None: the stage embeds the ids itself).
+    * ``slot(batches, train)``: what a non-last stage runs in the lock-step schedule's slot for micro-batch k (its
+      slice of the last stage's loss, ``VocabPPPeer.step``), or None on the last stage (its slice is in its loss).
+    * ``finish(train)``: the input embedding slices' backward over the whole step (``PPEmbedding.backward_all``).
+    * ``capture_blocker()``: the slices meet in collectives the eager schedule orders, so nothing is captured.
+    """
+
+    def __init__(self, model, cfg: LossConfig, *, vocab: int, rows: int, dtype: torch.dtype, kept_rows: int | None):
+        """``model``: this rank's stage (with ``vocab_pp``); ``rows``: tokens per micro-batch; ``kept_rows``: the
+        static kept count under collider (None: dense backward)."""
+        self.embedding = model.embedding if model.embedding_pp else None
+        self.peer = None
+        if not state.layout().is_last_stage:
+            kw = dict(vocab_start=model.vocab_start, vocab_size=vocab, rows=rows, compute_dtype=dtype)
+            self.peer = VocabPPPeer(model.output_weight, cfg, kept_rows=kept_rows, **kw)
+        self.inputs: list[Tensor] | None = None
+        self.caught: list[dict] = []
+
+    @classmethod
+    def capture_blocker(cls) -> str:
+        return "loss.vocab_over_pp"
+
+    def begin(self, batches: list, train: bool) -> None:
+        self.inputs, self.caught = None, [{} for _ in batches]
+        if self.embedding is None:
+            return
+        self.inputs = self.embedding.lookup_all([b.tokens[:, :-1].t() for b in batches], requires_grad=train)
+        if self.inputs is not None and train:
+            self.inputs = [catch_grad(x, c) for x, c in zip(self.inputs, self.caught)]
+
+    def input(self, i: int) -> Tensor | None:
+        return None if self.inputs is None else self.inputs[i]
+
+    def slot(self, batches: list, train: bool):
+        peer = self.peer
+        return None if peer is None else lambda k: peer.step(batches[k].targets, train=train)
+
+    def finish(self, train: bool) -> None:
+        if train and self.embedding is not None:
+            self.embedding.backward_all(None if self.inputs is None else [c.get("grad") for c in self.caught])
+        self.inputs = None

@@ -24,6 +24,7 @@ from megasparse.ops.compact import KeepHolder
 from megasparse.ops.rowwise import rms_norm, swiglu
 from megasparse.parallel import state
 from megasparse.parallel.embedding_pp import PPEmbedding
+from megasparse.parallel.groups import ProcessGroups
 from megasparse.parallel.layers import (
     ColumnParallelLinear,
     ComputeCopy,
@@ -46,14 +47,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype, pg: ProcessGroups):
         super().__init__()
-        tp = state.layout().tp
         d = cfg.head_dim
-        self.nq, self.nkv = cfg.num_attention_heads // tp, cfg.kv_heads // tp
+        self.nq, self.nkv = cfg.num_attention_heads // pg.tp, cfg.kv_heads // pg.tp
         self.recompute = cfg.recompute == "selective"  # rotated q/k rebuilt in the backward (decision 0012)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype)
+        kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype, pg=pg)
         parts = [cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d]
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, parts, name=f"layers.{layer}.attn.qkv", init_std=cfg.init_std, **kw
@@ -75,11 +75,11 @@ class Attention(nn.Module):
 class SwiGLUMLP(nn.Module):
     """fc1 (column-parallel, [gate | up] chunk order per shard) → SwiGLU → fc2 (row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype, pg: ProcessGroups):
         super().__init__()
         f = cfg.ffn_size
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype)
+        kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype, pg=pg)
         self.fc1 = ColumnParallelLinear(
             cfg.hidden_size, [f, f], name=f"layers.{layer}.mlp.fc1", init_std=cfg.init_std, **kw
         )
@@ -96,13 +96,13 @@ class SwiGLUMLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, seed: int, device, sp: bool, dtype, pg: ProcessGroups):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sp)
-        self.attn = Attention(cfg, layer, seed, device, sp, dtype)
+        self.attn = Attention(cfg, layer, seed, device, sp, dtype, pg)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sp)
-        self.mlp = SwiGLUMLP(cfg, layer, seed, device, sp, dtype)
+        self.mlp = SwiGLUMLP(cfg, layer, seed, device, sp, dtype, pg)
         self.full_recompute = cfg.recompute == "full"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -142,14 +142,17 @@ class GPTStage(nn.Module):
         embedding_rows: list[int] | None = None,
         layout: state.Layout | None = None,
         virtual_stage: int | None = None,
+        pg: ProcessGroups | None = None,
     ):
         """``layers_per_stage``: layers of every (virtual) stage, in pipeline order. ``embedding_rows``:
         input-embedding rows per pipeline stage under embedding_over_pp (None: even). ``layout``: this stage's
         place in the grid (default: the global one); a whole-model reference on the last pipeline stage passes
-        its TP place with pp=1. Layers below read only TP from the global layout. ``virtual_stage``: which entry
-        of ``layers_per_stage`` this is (default: the pipeline rank; chunk c of rank r is c·pp + r)."""
+        its TP place with pp=1. ``pg``: the TP group the layers talk over (default: the process's,
+        ``state.groups()``); layers below read nothing else. ``virtual_stage``: which entry of ``layers_per_stage``
+        this is (default: the pipeline rank; chunk c of rank r is c·pp + r)."""
         super().__init__()
         lay = self.layout = layout or state.layout()
+        self.pg = pg = pg or state.groups()
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.compute_dtype = compute_dtype
@@ -159,7 +162,7 @@ class GPTStage(nn.Module):
         self.first, self.last = vs == 0, vs == len(layers_per_stage) - 1
         start = sum(layers_per_stage[:vs])
         self.layer_ids = list(range(start, start + layers_per_stage[vs]))
-        kw = dict(seed=seed, device=device, sequence_parallel=sequence_parallel, compute_dtype=compute_dtype)
+        kw = dict(seed=seed, device=device, sequence_parallel=sequence_parallel, compute_dtype=compute_dtype, pg=pg)
         # loss.vocab_over_pp: every pipeline rank holds a slice of the output layer (loss/pipeline.py),
         # and with loss.embedding_over_pp a slice of the input embedding, which the trainer drives per step
         self.vocab_pp = self.loss_cfg.vocab_over_pp and lay.pp > 1
@@ -175,7 +178,7 @@ class GPTStage(nn.Module):
                 vocab_padded, cfg.hidden_size, name="embedding", init_std=cfg.init_std, vocab_size=vocab_size, **kw
             )
         self.layers = nn.ModuleList(
-            TransformerBlock(cfg, i, seed, device, sequence_parallel, compute_dtype) for i in self.layer_ids
+            TransformerBlock(cfg, i, seed, device, sequence_parallel, compute_dtype, pg) for i in self.layer_ids
         )
         if self.last:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, device, sequence_parallel)
@@ -250,7 +253,7 @@ class GPTStage(nn.Module):
             self.loss_cfg,
             vocab_start=self.vocab_start,
             vocab_size=self.vocab_size,
-            tp_group=state.tp_group(),
+            tp_group=self.pg.tp_group,
             sequence_parallel=self.sp,
             keep_idx=keep,
             operand=operand,

@@ -36,6 +36,12 @@ Groups = list[tuple[list[nn.Parameter], float]]
 class DistributedAdamW:
     """AdamW over this DP rank's chunk of every bucket; parameters are all-gathered after each step."""
 
+    @classmethod
+    def capture_blocker(cls) -> str:
+        """Why a CUDA graph cannot capture a backward that feeds this optimizer; ``cudagraph`` asks the class (the
+        answer is needed before the optimizer is built: it decides whether gradient buckets start from hooks)."""
+        return "parallel.distributed_optimizer (bf16 gradients reach fp32 buffers through hooks; gathers are waited on)"
+
     def __init__(
         self,
         buckets: GradBuckets,
@@ -277,7 +283,8 @@ class DataParallelOptimizer:
     def reduce(self) -> None:
         """After the backward: every bucket reduced over DP (and the SP norms over TP); tied embedding copies summed."""
         self.buckets.finish()
-        tied.sum_tied_grads(self.model)
+        if tied.tied_embedding(self.model) is not None:
+            tied.sum_tied_grads(self.model, state.embedding_group())
 
     def grad_norm(self) -> float:
         if not self.sharded:

@@ -19,7 +19,8 @@ from torch import nn
 
 from megasparse.ops.compact import CompactGrad, rows_of
 from megasparse.ops.wgrad import accumulate_mm, grad_buffer
-from megasparse.parallel import comm, rows, state
+from megasparse.parallel import comm, rows
+from megasparse.parallel.groups import ProcessGroups
 
 
 class DenseGemm:
@@ -122,33 +123,32 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str):
-        group = state.tp_group()
+    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str, pg: ProcessGroups):
+        group = pg.tp_group
         total = comm.all_gather(x, group, "tp", dim=0, region=f"{name}.sp_gather") if sp else x
         w = weight.to(dtype) if wc is None else wc
         y = gemm.fwd(_flat(total), w).view(*total.shape[:-1], w.shape[0])
         ctx.save_for_backward(total, w)
-        ctx.cfg = (sp, gemm, name, x.shape, weight)
+        ctx.cfg = (sp, gemm, name, x.shape, weight, pg)
         return y
 
     @staticmethod
     def backward(ctx, g):
         total, w = ctx.saved_tensors
-        sp, gemm, name, x_shape, weight = ctx.cfg
-        lay = state.layout()
-        group = state.tp_group()
+        sp, gemm, name, x_shape, weight, pg = ctx.cfg
+        group = pg.tp_group
         region = f"{name}.dgrad"
         if isinstance(g, CompactGrad):
             meta = g.meta
             dx = gemm.dgrad(g.rows, w)
             if sp:
-                dx, meta_out, work = rows.reduce_scatter_rows(dx, meta, group, lay.tp, lay.tp_rank, region)
+                dx, meta_out, work = rows.reduce_scatter_rows(dx, meta, group, pg.tp, pg.tp_rank, region)
             else:
                 meta_out, work = meta, comm.all_reduce(dx, group, "tp", region=region, async_op=True)
             dw = weight_grad(weight, gemm, g.rows, rows_of(total, meta))  # overlaps the dgrad collective
             if work is not None:
                 work.wait()
-            return CompactGrad(dx, meta_out, x_shape), dw, None, None, None, None, None
+            return CompactGrad(dx, meta_out, x_shape), dw, None, None, None, None, None, None
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
         if sp:
@@ -158,13 +158,13 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         dw = weight_grad(weight, gemm, g2, _flat(total))
         if work is not None:
             work.wait()
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 class RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str):
-        group = state.tp_group()
+    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str, pg: ProcessGroups):
+        group = pg.tp_group
         w = weight.to(dtype) if wc is None else wc
         y = gemm.fwd(_flat(x), w).view(*x.shape[:-1], w.shape[0])
         if sp:
@@ -172,28 +172,27 @@ class RowParallelLinearFn(torch.autograd.Function):
         else:
             comm.all_reduce(y, group, "tp", region=f"{name}.out")
         ctx.save_for_backward(x, w)
-        ctx.cfg = (sp, gemm, name, weight)
+        ctx.cfg = (sp, gemm, name, weight, pg)
         return y
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        sp, gemm, name, weight = ctx.cfg
-        lay = state.layout()
-        group = state.tp_group()
+        sp, gemm, name, weight, pg = ctx.cfg
+        group = pg.tp_group
         if isinstance(g, CompactGrad):
             gr, meta = g.rows, g.meta
             if sp:
-                gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, f"{name}.sp_gather")
+                gr, meta = rows.gather_rows(gr, meta, group, pg.tp, pg.tp_rank, f"{name}.sp_gather")
             dx = gemm.dgrad(gr, w)
             dw = weight_grad(weight, gemm, gr, rows_of(x, meta))
-            return CompactGrad(dx, meta, x.shape), dw, None, None, None, None, None
+            return CompactGrad(dx, meta, x.shape), dw, None, None, None, None, None, None
         if sp:
             g = comm.all_gather(g, group, "tp", dim=0, region=f"{name}.sp_gather")
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
         dw = weight_grad(weight, gemm, g2, _flat(x))
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def vocab_slice_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, dtype) -> tuple[torch.Tensor, ...]:
@@ -223,40 +222,41 @@ class VocabEmbeddingFn(torch.autograd.Function):
     """Lookup of this rank's vocabulary slice, then the TP reduction (reduce-scatter under SP)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, vocab_start: int, sp: bool, dtype):
-        group = state.tp_group()
+    def forward(ctx, ids, weight, vocab_start: int, sp: bool, dtype, pg: ProcessGroups):
+        group = pg.tp_group
         out, local, valid = vocab_slice_lookup(ids, weight, vocab_start, dtype)
         if sp:
             out = comm.reduce_scatter(out, group, "tp", region="embedding.sp_scatter")
         else:
             comm.all_reduce(out, group, "tp", region="embedding.out")
         ctx.save_for_backward(local, valid)
-        ctx.cfg = (sp, weight.shape, weight.dtype, weight)
+        ctx.cfg = (sp, weight.shape, weight.dtype, weight, pg)
         return out
 
     @staticmethod
     def backward(ctx, g):
         local, valid = ctx.saved_tensors
-        sp, wshape, wdtype, weight = ctx.cfg
-        lay = state.layout()
-        group = state.tp_group()
+        sp, wshape, wdtype, weight, pg = ctx.cfg
+        group = pg.tp_group
         bucket = grad_buffer(weight)  # rows added straight into the fp32 bucket slice: no weight-sized temporary
         if isinstance(g, CompactGrad):
             gr, meta = g.rows, g.meta
             if sp:
-                gr, meta = rows.gather_rows(gr, meta, group, lay.tp, lay.tp_rank, "embedding.sp_gather")
+                gr, meta = rows.gather_rows(gr, meta, group, pg.tp, pg.tp_rank, "embedding.sp_gather")
             ids, ok = local.reshape(-1).index_select(0, meta.idx), valid.reshape(-1).index_select(0, meta.idx)
             dw = vocab_slice_grad(wshape, ids, ok, gr, bucket)
         else:
             if sp:
                 g = comm.all_gather(g, group, "tp", dim=0, region="embedding.sp_gather")
             dw = vocab_slice_grad(wshape, local, valid, _flat(g), bucket)
-        return None, None if bucket is not None else dw.to(wdtype), None, None, None
+        return None, None if bucket is not None else dw.to(wdtype), None, None, None, None
 
 
 class _ParallelBase(nn.Module):
-    def __init__(self, name: str, sequence_parallel: bool, compute_dtype: torch.dtype):
+    def __init__(self, name: str, sequence_parallel: bool, compute_dtype: torch.dtype, pg: ProcessGroups):
         super().__init__()
+        self.pg = pg
+        """The TP group this layer's Functions talk over (given at construction, never read from global state)."""
         self.pname = name
         self.sequence_parallel = sequence_parallel
         self.compute_dtype = compute_dtype
@@ -277,7 +277,8 @@ class _ParallelLinear(_ParallelBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wc = self.compute_weight()
-        return self.fn.apply(x, self.weight, wc, self.sequence_parallel, self.compute_dtype, self.gemm, self.pname)
+        sp, dtype = self.sequence_parallel, self.compute_dtype
+        return self.fn.apply(x, self.weight, wc, sp, dtype, self.gemm, self.pname, self.pg)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -294,15 +295,15 @@ class ColumnParallelLinear(_ParallelLinear):
         init_std: float,
         seed: int,
         device,
+        pg: ProcessGroups,
         sequence_parallel: bool = False,
         compute_dtype: torch.dtype = torch.float32,
     ):
-        super().__init__(name, sequence_parallel, compute_dtype)
-        lay = state.layout()
+        super().__init__(name, sequence_parallel, compute_dtype, pg)
         shards = []
         for i, size in enumerate(partitions):
             full = seeded_full_init(f"{name}.part{i}", (size, in_features), init_std, seed, device)
-            shards.append(full.chunk(lay.tp, dim=0)[lay.tp_rank])
+            shards.append(full.chunk(pg.tp, dim=0)[pg.tp_rank])
         self.weight = nn.Parameter(torch.cat(shards, dim=0))
         self.weight.tp_spec = (0, list(partitions))
 
@@ -321,13 +322,13 @@ class RowParallelLinear(_ParallelLinear):
         init_std: float,
         seed: int,
         device,
+        pg: ProcessGroups,
         sequence_parallel: bool = False,
         compute_dtype: torch.dtype = torch.float32,
     ):
-        super().__init__(name, sequence_parallel, compute_dtype)
-        lay = state.layout()
+        super().__init__(name, sequence_parallel, compute_dtype, pg)
         full = seeded_full_init(name, (out_features, in_features), init_std, seed, device)
-        self.weight = nn.Parameter(full.chunk(lay.tp, dim=1)[lay.tp_rank].contiguous())
+        self.weight = nn.Parameter(full.chunk(pg.tp, dim=1)[pg.tp_rank].contiguous())
         self.weight.tp_spec = (1, [in_features])
 
 
@@ -344,17 +345,18 @@ class VocabParallelEmbedding(_ParallelBase):
         seed: int,
         device,
         vocab_size: int,
+        pg: ProcessGroups,
         sequence_parallel: bool = False,
         compute_dtype: torch.dtype = torch.float32,
     ):
-        super().__init__(name, sequence_parallel, compute_dtype)
-        lay = state.layout()
+        super().__init__(name, sequence_parallel, compute_dtype, pg)
         full = padded_vocab_init(name, vocab_size, vocab_padded, hidden, init_std, seed, device)
-        self.per_rank = vocab_padded // lay.tp
-        self.vocab_start = lay.tp_rank * self.per_rank
+        self.per_rank = vocab_padded // pg.tp
+        self.vocab_start = pg.tp_rank * self.per_rank
         self.weight = nn.Parameter(full[self.vocab_start : self.vocab_start + self.per_rank].contiguous())
         self.weight.tp_spec = (0, [vocab_padded])
         self.weight.vocab_rows = (self.vocab_start, vocab_size)  # global rows; padding past vocab_size
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return VocabEmbeddingFn.apply(ids, self.weight, self.vocab_start, self.sequence_parallel, self.compute_dtype)
+        sp, dtype = self.sequence_parallel, self.compute_dtype
+        return VocabEmbeddingFn.apply(ids, self.weight, self.vocab_start, sp, dtype, self.pg)

@@ -226,7 +226,7 @@ def catch_grad(x: torch.Tensor, holder: dict) -> torch.Tensor:
     return _Catch.apply(x, holder)
 
 
-class _InFlight:
+class InFlight:
     """This stage's micro-batches between their forward and their backward, under any schedule: each one's output,
     and the input gradient its backward leaves at the stage entry (caught there, so a compact gradient never reaches
     a leaf). ``key`` names a micro-batch (or a (chunk, micro-batch) pair) until its backward."""
@@ -273,14 +273,14 @@ def one_f_one_b(
     ``backward_step(i, output, grad)`` runs autograd from it. The input gradient that goes upstream
     is caught at the stage entry, so compact gradients never reach a leaf. A ``p2p`` of several chunks runs
     the interleaved schedule instead (``interleaved_1f1b``), with ``forward_step(i, input, chunk)``.
-    ``in_flight``: what runs a micro-batch's forward and backward (default: eagerly, ``_InFlight``; the trainer
+    ``in_flight``: what runs a micro-batch's forward and backward (default: eagerly, ``InFlight``; the trainer
     passes replayed CUDA graphs, ``cudagraph.StageGraphs``, with the same ``forward``/``backward``).
     """
     if p2p.chunks > 1:
         return interleaved_1f1b(num_mb, p2p, forward_step, backward_step)
     lay = state.layout()
     warmup = min(lay.pp - lay.pp_rank - 1, num_mb)
-    mbs = in_flight if in_flight is not None else _InFlight(forward_step, backward_step)
+    mbs = in_flight if in_flight is not None else InFlight(forward_step, backward_step)
     fi = bi = 0
     for _ in range(warmup):
         y = mbs.forward(fi, fi, p2p.recv_forward())
@@ -314,6 +314,7 @@ def interleaved_1f1b(
     p2p: StageComm,
     forward_step: Callable[[int, torch.Tensor | None, int], torch.Tensor],
     backward_step: Callable[[int, torch.Tensor, torch.Tensor | None], None],
+    in_flight: InFlight | None = None,
 ) -> None:
     """Megatron's interleaved 1F1B over this rank's ``p2p.chunks`` model chunks, step by step from
     ``interleaved.plan``: what arrives is filed under the (chunk, micro-batch) the plan names, so a received
@@ -322,7 +323,7 @@ def interleaved_1f1b(
     inputs: dict[interleaved.Key, torch.Tensor] = {}
     grads: dict[interleaved.Key, torch.Tensor] = {}
     gins: dict[interleaved.Key, torch.Tensor] = {}
-    mbs = _InFlight(forward_step, backward_step)
+    mbs = in_flight if in_flight is not None else InFlight(forward_step, backward_step)
     for st in interleaved.plan(lay.pp, lay.pp_rank, p2p.chunks, num_mb):
         if isinstance(st, interleaved.Comm):
             y = None if st.send_fwd is None else mbs.outputs[st.send_fwd]
@@ -368,6 +369,7 @@ def lockstep(
     forward_step: Callable[[int, torch.Tensor | None], torch.Tensor],
     backward_step: Callable[[int, torch.Tensor, torch.Tensor | None], None],
     slot: Callable[[int], None] | None = None,
+    in_flight: InFlight | None = None,
 ) -> None:
     """Every stage forwards, joins micro-batch k's vocabulary slot, then backwards, in the same period.
 
@@ -380,7 +382,7 @@ def lockstep(
     """
     lay = state.layout()
     P, r = lay.pp, lay.pp_rank
-    mbs = _InFlight(forward_step, backward_step)
+    mbs = in_flight if in_flight is not None else InFlight(forward_step, backward_step)
     y = gin = None
     for p in range(num_mb + 2 * (P - 1)):
         fi, si, bi = p - r, p - (P - 1), p - 2 * (P - 1) + r

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megasparse.parallel.groups import SINGLE, ProcessGroups
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -40,6 +42,12 @@ _layout = Layout()
 
 def layout() -> Layout:
     return _layout
+
+
+def log0(msg: str) -> None:
+    """Print once per run: on global rank 0, or on every process before any group exists."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
 
 
 def world_env() -> tuple[int, int, int]:
@@ -123,6 +131,11 @@ def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _layout = Layout()
+
+
+def groups() -> ProcessGroups:
+    """The layers' process groups of this process's layout (``parallel/groups.py``): passed down at construction."""
+    return ProcessGroups(tp_group(), _layout.tp, _layout.tp_rank) if _ps() is not None else SINGLE
 
 
 def _ps():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megasparse.parallel import comm, state
+from megasparse.parallel import comm
 
 
 def tied_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
@@ -18,10 +18,11 @@ def tied_embedding(model: torch.nn.Module) -> torch.nn.Parameter | None:
     return model.embedding.weight if getattr(model, "first", False) else None
 
 
-def sum_tied_grads(model: torch.nn.Module) -> None:
-    """After the DP reduction: each copy's gradient becomes the sum of both (the embedding group's all-reduce)."""
+def sum_tied_grads(model: torch.nn.Module, group) -> None:
+    """After the DP reduction: each copy's gradient becomes the sum of both (``group``: the embedding group, passed
+    in by the optimizer that owns the reduction, as the layers get theirs)."""
     p = tied_embedding(model)
     if p is None or p.grad is None:
         return
     with comm.phase("optim"):
-        comm.all_reduce(p.grad, state.embedding_group(), "embedding", region="tied.embedding_grads")
+        comm.all_reduce(p.grad, group, "embedding", region="tied.embedding_grads")

@@ -104,12 +104,11 @@ def compact_kept_grad(d_rows: Tensor, meta, group, sequence_parallel: bool, h_sh
     """dE of the kept rows (``meta.idx`` order, one row each) as a compact gradient: only kept rows travel."""
     from megasparse.ops.compact import CompactGrad
     from megasparse.parallel import rows as rowops
-    from megasparse.parallel import state
 
-    lay = state.layout()
     with comm.phase("backward"):
         if sequence_parallel and tp_size(group) > 1:
-            local_rows, local, work = rowops.reduce_scatter_rows(d_rows, meta, group, lay.tp, lay.tp_rank, REGION)
+            n, me = tp_size(group), tp_rank(group)
+            local_rows, local, work = rowops.reduce_scatter_rows(d_rows, meta, group, n, me, REGION)
             if work is not None:
                 work.wait()
             return CompactGrad(local_rows.to(d_rows.dtype), local, h_shape)

@@ -38,6 +38,17 @@ class Sparse24Converter:
         self.manager: SparsityManager | None = None
         self.autotune: GemmAutotune | None = None
         self.fused: FusedMaskedAdamW | None = None
+        self.gemms: list[Sparse24Gemm] = []
+        """The 2:4 GEMM adapters installed by ``convert`` (their operands are refreshed before graph replays)."""
+
+    def capture_blocker(self) -> str | None:
+        """Why a CUDA graph cannot capture the 2:4 GEMMs (None: it can); ``cudagraph`` asks."""
+        return "sparsity.mvue draws its random seeds on the host" if self.cfg.mvue else None
+
+    def prepare_replay(self) -> tuple:
+        """Bring every 2:4 GEMM's operands up to date in place before replays; the key of the buffers they read
+        (a new key: new masks, the autotune's switch or dense fine-tuning moved them, and graphs are captured again)."""
+        return tuple(g.prepare_replay() for g in self.gemms)
 
     def convert(self, model: torch.nn.Module) -> SparsityManager:
         """Convert the FFN linears the model names (``model.ffn_linears(layers)``) in ``sparsity.layers``."""
@@ -51,6 +62,7 @@ class Sparse24Converter:
         for n, lin in linears.items():
             lin.gemm = Sparse24Gemm(self.manager, n, lin.weight, self.compute_dtype, self.cfg.mvue)
             gemms.append(lin.gemm)
+        self.gemms = gemms
         on_gpu = any(lin.weight.is_cuda for lin in linears.values())
         if on_gpu and not self.cfg.monitor_only:
             self.fused = FusedMaskedAdamW(self.manager, {n: lin.gemm for n, lin in linears.items()})
