@@ -3,29 +3,17 @@ equals no recompute, dense and with Collider's compact backward."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from test_gpu_cudagraph import _losses
+from test_gpu_cudagraph import _losses, one_rank  # noqa: F401 - the module's one-rank NCCL group fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    from megasparse.parallel import state
-
-    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29536", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ.setdefault(k, v)
-    state.init(1, 1, False, "nccl")
-    yield
-    state.destroy()
-
-
 @pytest.mark.parametrize("mode", ["dense", "collider"])
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_captured_recompute_equals_eager(one_rank, mode: str, recompute: str) -> None:
+@pytest.mark.usefixtures("one_rank")
+def test_captured_recompute_equals_eager(mode: str, recompute: str) -> None:
     from megasparse.ops.compact import densify_count
 
     ov = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"] if mode == "collider" else []

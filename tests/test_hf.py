@@ -320,3 +320,20 @@ def test_gpu_qwen2_bf16_loss_filtered_steps_and_generate(dirs, tmp_path):
         assert generate(model, prompt, 16) == want
     finally:
         state.destroy()
+
+
+def test_import_and_export_never_write_over_a_directory(tmp_path) -> None:
+    """An earlier run, import or export in OUT_DIR is left as it was: both commands refuse in one line."""
+    from megasparse.hf.checkpoints import export_hf, import_hf
+    from megasparse.hf.names import HFError
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    for call in (lambda: import_hf(tmp_path / "hf", out), lambda: export_hf(tmp_path / "ckpt", out)):
+        with pytest.raises(HFError, match="already exists and is not empty"):
+            call()
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and sorted(p.name for p in out.iterdir()) == [
+        "checkpoints",
+        "metrics.jsonl",
+    ]

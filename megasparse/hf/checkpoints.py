@@ -34,12 +34,19 @@ def _shape_record(m: ModelConfig, vocab: int) -> dict:
     }  # fmt: skip
 
 
+def _fresh_dir(out: Path, what: str) -> None:
+    """Never write over an earlier import, export or run: ``out`` must be new or empty."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HFError(f"{what}: {out} already exists and is not empty; name a new directory (nothing was written)")
+
+
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Write ``out_dir``/config.yaml and ``out_dir``/checkpoints/step-0 from an HF directory; returns out_dir."""
     from megasparse.config import Config, dump_config
     from megasparse.configbase import from_dict
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
+    _fresh_dir(out, "megasparse hf import")
     ov = model_overrides(read_hf_config(hf_dir), f"{hf_dir}/config.json")
     m = from_dict(ModelConfig, ov)
     m.validate()
@@ -54,8 +61,6 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         tensors["model." + name] = (t, Placement(tuple(t.shape), 0, ((0, 0, t.shape[0]),), replicated=True))
     root = out / "checkpoints"
     step = root / "step-0"
-    if step.exists():
-        shutil.rmtree(step)
     root.mkdir(parents=True, exist_ok=True)
     dcp.save({k: t for k, (t, _) in tensors.items()}, checkpoint_id=str(step), planner=ckpt._SavePlanner(tensors),
              no_dist=True)  # fmt: skip
@@ -98,6 +103,8 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", sh
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
 
+    out = Path(out_dir)
+    _fresh_dir(out, "megasparse hf export")
     cfg, where = run_config_of(ckpt_dir)
     ckpt.verify_checksums(where)
     m = cfg.model
@@ -105,7 +112,6 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "bf16", sh
     meta = FileSystemReader(str(where)).read_metadata().state_dict_metadata
     dense = "extra.sparsity_dense" in meta and bool(_load_global(where, {"extra.sparsity_dense": ((), torch.int64)})[
         "extra.sparsity_dense"])  # fmt: skip
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     to = DTYPES[dtype]
     weight_map: dict[str, str] = {}
