@@ -34,8 +34,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nproc", type=int, default=1)
     a = p.parse_args()
-    w = Path(a.workdir)
-    w.mkdir(parents=True, exist_ok=True)
+    w = Path(a.workdir) / time.strftime("%Y%m%d-%H%M%S")  # a new directory per run: nothing earlier is written over
+    w.mkdir(parents=True)
     ms = [sys.executable, "-m", "megasparse"]
     run = (
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc), "-m", "megasparse"]
