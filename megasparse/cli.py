@@ -11,6 +11,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("megasparse.train", "main", "train a model: megasparse train CONFIG.yaml [key.sub=value ...]"),
     "preprocess": ("megasparse.data.preprocess", "main", "tokenize text/jsonl into a .bin/.idx dataset"),
+    "data": ("megasparse.data.cli", "main", "variable-length data: `data lengths PREFIX` / `data longtail`"),
     "prepare-data": (
         "megasparse.data.builtin",
         "main",

@@ -46,6 +46,7 @@ __all__ = [
     "build_datasets",
     "iterate_batches",
     "reference_prefix",
+    "resolve_sources",
     "split_documents",
 ]
 
@@ -262,20 +263,12 @@ def _split(indexed: IndexedDataset, data_cfg: DataConfig, seq_length: int, eod_i
     return train, valid
 
 
-def build_datasets(
-    data_cfg: DataConfig,
-    seq_length: int,
-    vocab_size: int | None = None,
-    rank0_builds: bool = True,
-) -> tuple[PackedDataset | BlendedDataset, PackedDataset | BlendedDataset, TokenizerInfo]:
-    """(train, valid, tokenizer info) for a run; builds ``builtin:`` data on first use.
-
-    With ``data.blend`` every corpus is split and packed alone and the splits are blended by weight: train
-    over the train parts, valid over the valid parts. ``vocab_size`` is the model's (padded) vocabulary:
-    every token id of every dataset must be below it (checked with one pass over each mmap).
-    ``rank0_builds``: only local rank 0 builds built-in data while the node's other ranks wait (False: each
-    process builds under the cache lock, first one wins).
-    """
+def resolve_sources(
+    data_cfg: DataConfig, vocab_size: int | None = None, rank0_builds: bool = True
+) -> tuple[list[str], TokenizerInfo]:
+    """(indexed-dataset prefixes of ``data.prefix`` or every ``data.blend`` entry, tokenizer info): ``builtin:``
+    specs built on first use and replaced by their paths; ``vocab_size`` (the model's) checked against the
+    tokenizer's."""
     specs, tok_spec = _sources(data_cfg), data_cfg.tokenizer
     prefixes = list(specs)
     if any(map(_is_builtin, specs)) or _is_builtin(tok_spec):
@@ -297,6 +290,24 @@ def build_datasets(
             f"model.vocab_size={vocab_size} is smaller than the tokenizer's {info.vocab_size} ({info.path}); "
             "leave it null to use the tokenizer's"
         )
+    return prefixes, info
+
+
+def build_datasets(
+    data_cfg: DataConfig,
+    seq_length: int,
+    vocab_size: int | None = None,
+    rank0_builds: bool = True,
+) -> tuple[PackedDataset | BlendedDataset, PackedDataset | BlendedDataset, TokenizerInfo]:
+    """(train, valid, tokenizer info) for a run; builds ``builtin:`` data on first use.
+
+    With ``data.blend`` every corpus is split and packed alone and the splits are blended by weight: train
+    over the train parts, valid over the valid parts. ``vocab_size`` is the model's (padded) vocabulary:
+    every token id of every dataset must be below it (checked with one pass over each mmap).
+    ``rank0_builds``: only local rank 0 builds built-in data while the node's other ranks wait (False: each
+    process builds under the cache lock, first one wins).
+    """
+    prefixes, info = resolve_sources(data_cfg, vocab_size, rank0_builds)
     splits = []
     for prefix in prefixes:
         indexed = IndexedDataset(prefix)
