@@ -1,0 +1,380 @@
+"""ChunkFlow's benchmark (issue 30): real tokens/s and peak memory on long-tail data, three ways, one call.
+
+    torchrun --nproc_per_node 4 benchmarks/bench_chunkflow.py 4gpu_8b [--modes mcore-fixed,padded,chunkflow]
+        [--max-length 32768] [--docs 10000] [--chunk-size 8192] [--max-chunks 2] [--warmup 1] [--steps 3]
+        [--data PREFIX] [--out-dir DIR] [section.key=value ...]
+    python benchmarks/bench_chunkflow.py cpu_tiny --out-dir /tmp/cf      # smoke test of the code path, CPU
+
+Data. A long-tail set written by ``megasparse data longtail`` (``megasparse/data/longtail.py``) with the
+layout's vocabulary and ``--max-length`` S, built once per spec under ``--data-dir`` (local rank 0 builds, the
+others wait) unless ``--data`` names one: per document, with probability 0.95 a log-normal length of median
+S/40 and log-sd 0.95, else log-uniform in [S/8, S]; clipped to [16, S]; random Zipf-like token ids, EOD = 0.
+At S = 32768 and 10000 documents that is median ~870 tokens, mean ~1.9K, p90 ~3.8K (90% at or below 4K), p99
+~21K, max ~32K; the 9% of documents above 4K hold half of the tokens. The JSON carries the spec and the
+training split's :func:`~megasparse.data.lengths.length_report` (``distribution``).
+
+Modes, each on the same data and model, every rank in the same process group:
+
+* ``mcore-fixed``: megatron-core's GPTModel (``benchmarks/mcore_anchor.py``'s ``McoreTrainer``, flash attention
+  through SDPA) at fixed length S: every micro-batch is one whole sequence padded to S with EOD, the training
+  split's sequences in ``SequenceDataset``'s seeded order (``step_sequences``), global batch sequences per step.
+  Its loss averages over the padding too (the anchor has no loss mask; the cost is the same). Needs CUDA.
+* ``padded``: megasparse packing the document stream into windows of S (``data.document_attention=true``: no
+  attention across a document boundary, positions restart). Packing leaves no padding: every token is real; a
+  document that straddles a window boundary is trained as two pieces.
+* ``padded/causal``: the same windows with plain causal attention (what document attention costs; not in the
+  default list).
+* ``chunkflow``: megasparse with ChunkFlow (``chunkflow.enabled``, ``chunkflow.chunk_size``,
+  ``chunkflow.max_chunks_in_memory``): see :func:`chunkflow_overrides`, the hook its engineer fills in.
+
+A mode whose keys this checkout's config does not know is a row ``not available: ...``, not a crash; so is
+``mcore-fixed`` without CUDA. Metrics per mode: ``real_tokens_per_s`` (non-padding input tokens of the step,
+global, over the slowest rank's median step), ``step_ms``, ``mem_gib`` (peak allocated per GPU during the timed
+steps, max over ranks, less what earlier cases left behind), ``padding_share``. Real tokens per step:
+``mcore-fixed`` counts its sequences' tokens (capped at S); the megasparse modes take the trainer's
+``StepResult.extra["real_tokens"]`` (global) when it reports one, else ``StepResult.tokens`` x dp (packing: all
+real). Writes ``chunkflow_<layout>.json`` (``device``, ``layout``, ``distribution``, ``cases`` with ``mode`` and
+``real_tokens_per_s``, ratios against ``mcore-fixed`` and ``padded``) after every case (``partial`` until the end)
+and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_trainer as bt  # noqa: E402
+
+from megasparse.config import ConfigError, load_config  # noqa: E402
+from megasparse.configbase import parse_with_overrides  # noqa: E402
+from megasparse.data.cache import build_once, local_rank  # noqa: E402
+from megasparse.data.lengths import length_report  # noqa: E402
+from megasparse.data.longtail import LongTailSpec, write_longtail  # noqa: E402
+from megasparse.data.sequences import build_sequence_datasets  # noqa: E402
+from megasparse.parallel import state  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+_TINY = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "parallel.tp=1", "model.num_layers=2",
+         "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+         "model.ffn_hidden_size=128", "model.vocab_size=512", "train.global_batch_size=4", "data.valid_fraction=0.1"]  # fmt: skip
+LAYOUTS: dict[str, dict] = {
+    # name: config, ranks, overrides, default maximum length S, default number of documents
+    "4gpu_8b": dict(config="configs/gpu_8b8l_tp2_pp2_sp.yaml", ranks=4, overrides=[], max_length=32768, docs=10000),
+    "cpu_tiny": dict(config="configs/cpu_toy.yaml", ranks=1, overrides=_TINY, max_length=128, docs=1500),
+}
+MODES = ("mcore-fixed", "padded", "chunkflow")
+EXTRA_MODES = ("padded/causal",)
+MCORE = "mcore-fixed"
+
+
+def chunkflow_overrides(a: argparse.Namespace) -> list[str]:
+    """HOOK for ChunkFlow (megasparse/chunkflow/, its engineer owns the keys): the chunkflow mode's trainer config,
+    on top of the layout's and the data's. The trainer reads whole sequences through
+    ``SequenceDataset.step_sequences`` and should report the step's global real tokens in
+    ``StepResult.extra["real_tokens"]``; until ``chunkflow.*`` exists this mode is reported "not available"."""
+    return [
+        "chunkflow.enabled=true",
+        f"chunkflow.chunk_size={a.chunk_size}",
+        f"chunkflow.max_chunks_in_memory={a.max_chunks}",
+        "data.document_attention=true",
+        f"model.seq_length={a.chunk_size}",  # a chunk is a micro-batch window
+    ]
+
+
+def mode_overrides(mode: str, a: argparse.Namespace) -> list[str]:
+    """A megasparse mode's overrides (``mcore-fixed`` runs megatron-core on the base config)."""
+    return {
+        MCORE: [],
+        "padded": ["data.document_attention=true"],
+        "padded/causal": [],
+        "chunkflow": chunkflow_overrides(a) if a.chunk_size else [],
+    }[mode]
+
+
+def ensure_data(a: argparse.Namespace, vocab: int) -> str:
+    """The long-tail set's prefix: ``--data``, or the spec's set built once under ``--data-dir``."""
+    if a.data:
+        return a.data
+    min_len = min(16, max(2, a.max_length // 256))  # 16 at S >= 4096; tiny S keeps some spread
+    spec = LongTailSpec(docs=a.docs, vocab=vocab, max_length=a.max_length, seed=a.data_seed, min_length=min_len)
+    tag = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:10]
+    target = Path(a.data_dir) / f"longtail-{tag}"
+    build_once(target, lambda d: write_longtail(d / "longtail", spec), builder=local_rank() == 0)
+    return str(target / "longtail")
+
+
+def mcore_stream(cfg, seqs, dp_rank: int, dp: int, dev: torch.device):
+    """This DP rank's micro-batches for megatron-core: step t's global sequences ``t*G ... t*G+G-1`` (G the global
+    batch), one per micro-batch, dealt out round-robin over DP, each padded with EOD to S+1 tokens."""
+    s, g_batch = cfg.model.seq_length, cfg.train.global_batch_size
+    t = 0
+    while True:
+        for g, toks in seqs.step_sequences(t, g_batch)[dp_rank::dp]:
+            row = torch.full((1, s + 1), seqs.eod_id, dtype=torch.int64)
+            n = min(len(toks), s + 1)
+            row[0, :n] = torch.from_numpy(toks[:n])
+            yield row.to(dev, non_blocking=True)
+        t += 1
+
+
+def mcore_real_tokens(cfg, seqs, step: int) -> int:
+    """Real input tokens of global step ``step`` under ``mcore-fixed``: each sequence's tokens, capped at S."""
+    g_batch = cfg.train.global_batch_size
+    ids = [seqs.global_index(g) for g in range(step * g_batch, (step + 1) * g_batch)]
+    return int(sum(min(int(seqs.lengths[i]), cfg.model.seq_length) for i in ids))
+
+
+def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
+    """Build one mode, warm up, time ``steps`` steps: per-rank seconds, real tokens per step, peak GiB, losses."""
+    import mcore_anchor
+
+    bt._free()
+    leftover = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    lay = state.layout()
+    if mode == MCORE:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        num_mb = cfg.num_microbatches(lay.dp)
+        mt = mcore_anchor.McoreTrainer(
+            cfg, cfg.padded_vocab(vocab), lambda: mcore_stream(cfg, seqs, lay.dp_rank, lay.dp, dev), num_mb, "sdpa"
+        )
+        step_no = iter(range(1 << 30))
+
+        def step():
+            loss, sec = mt.train_step()
+            return loss, sec, mcore_real_tokens(cfg, seqs, next(step_no))
+
+        keep = mt
+    else:
+        from megasparse.train import Trainer
+
+        tr = Trainer(cfg, init_groups=False)
+        dev = tr.device
+
+        def step():
+            bt._sync(dev)
+            r = tr.train_step()
+            return r.loss, r.seconds, int(r.extra.get("real_tokens", r.tokens * tr.dp))
+
+        keep = tr
+    losses, times, real = [], [], []
+    for _ in range(warmup):
+        losses.append(step()[0])
+    bt._reset_peak(dev)
+    for _ in range(steps):
+        loss, sec, n = step()
+        losses.append(loss)
+        times.append(sec)
+        real.append(n)
+    mem = bt._peak_gib(dev) - leftover
+    if getattr(keep, "graphs", None) is not None:
+        keep.graphs.release()
+    del keep, step
+    bt._free()
+    return {"times": times, "real": real, "mem_gib": mem, "losses": [x for x in losses if x is not None], "dev": dev}
+
+
+def case_row(mode: str, cfg, r: dict, world: int) -> dict:
+    """The slowest rank's median step, real tokens per second (global and per GPU), memory and padding share."""
+    dev = r["dev"]
+    times = bt.gather_floats(r["times"], dev)
+    mems = [x[0] for x in bt.gather_floats([r["mem_gib"]], dev)]
+    step_s = max(statistics.median(t) for t in times)
+    real = statistics.mean(r["real"])
+    slots = cfg.train.global_batch_size * cfg.model.seq_length
+    return {
+        "mode": mode,
+        "step_ms": 1e3 * step_s,
+        "real_tokens_per_step": real,
+        "real_tokens_per_s": real / step_s,
+        "real_tokens_per_s_per_gpu": real / step_s / world,
+        "padding_share": max(0.0, 1 - real / slots) if mode == MCORE else 0.0,
+        "mem_gib": None if any(math.isnan(m) for m in mems) else max(mems),
+        "seq_length": cfg.model.seq_length,
+        "global_batch_size": cfg.train.global_batch_size,
+        "losses": r["losses"],
+    }
+
+
+def add_ratios(cases: list[dict]) -> None:
+    """Each timed row's real tokens/s over ``mcore-fixed``'s and ``padded``'s (> 1: more real tokens per second)."""
+    by = {c["mode"]: c for c in cases if "error" not in c}
+    for c in cases:
+        for ref, key in ((MCORE, "vs_mcore_fixed"), ("padded", "vs_padded")):
+            ok = "error" not in c and ref in by
+            c[key] = c["real_tokens_per_s"] / by[ref]["real_tokens_per_s"] if ok else None
+
+
+def format_table(rep: dict) -> str:
+    head = f"{'mode':<14} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} {'mem GiB':>8} {'vs mcore':>9} "
+    head += f"{'vs padded':>9}"
+    lines = [f"chunkflow | {rep['device']} | {rep['layout']}: {rep['shape']}", rep["data_line"], head, "-" * len(head)]
+    for c in rep["cases"]:
+        if "error" in c:
+            lines.append(f"{c['mode']:<14} {c['error'][:110]}")
+            continue
+
+        def f(key, spec, c=c):
+            x = c.get(key)
+            return format(x, spec) if x is not None else f"{'-':>{spec.split('.')[0]}}"
+
+        lines.append(
+            f"{c['mode']:<14} {c['step_ms']:9.1f} {c['real_tokens_per_s']:11.0f} {c['real_tokens_per_s_per_gpu']:9.0f} "
+            f"{100 * c['padding_share']:7.1f}% {f('mem_gib', '8.2f')} {f('vs_mcore_fixed', '9.3f')} "
+            f"{f('vs_padded', '9.3f')}"
+        )
+    lines.append(
+        "real tok/s: non-padding input tokens per second, all GPUs; vs: real tokens/s over that mode's (> 1: faster)"
+    )
+    return "\n".join(lines)
+
+
+def write_report(out: Path, rep: dict, partial: bool) -> None:
+    rep["partial"] = partial
+    add_ratios(rep["cases"])
+    rep["table"] = format_table(rep)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rep, indent=1))
+        if not partial:
+            print(rep["table"], flush=True)
+
+
+def _config(a, lay: dict, prefix: str, extra: list[str]):
+    base = [
+        *lay["overrides"],
+        f"data.prefix={prefix}",
+        f"data.tokenizer={prefix}.tokenizer.json",
+        f"model.seq_length={a.max_length}",
+        "train.micro_batch_size=1",
+        "train.eval_interval=0",
+        *a.overrides,
+    ]
+    return load_config(str(ROOT / lay["config"]), base + extra), base
+
+
+def run(a: argparse.Namespace) -> int:
+    lay = LAYOUTS[a.layout]
+    a.max_length = a.max_length or lay["max_length"]
+    a.docs = a.docs or lay["docs"]
+    world = state.world_env()[1]
+    if world != lay["ranks"]:
+        print(f"bench_chunkflow: layout {a.layout} needs {lay['ranks']} ranks, got {world}", file=sys.stderr)
+        return 2
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES + EXTRA_MODES]
+    if bad:
+        print(f"bench_chunkflow: unknown modes {bad}; use {list(MODES + EXTRA_MODES)}", file=sys.stderr)
+        return 2
+    try:  # the base config validates before any process group exists; a mode's unknown keys only mark that mode
+        vocab = load_config(str(ROOT / lay["config"]), lay["overrides"] + a.overrides).model.vocab_size
+        prefix = ensure_data(a, vocab)
+        base_cfg, base_ov = _config(a, lay, prefix, [])
+        base_cfg.validate(world)
+    except ConfigError as e:
+        print(f"bench_chunkflow: error: {e}", file=sys.stderr)
+        return 2
+    unavailable: dict[str, str] = {}
+    cfgs = {}
+    for m in modes:
+        if m == "chunkflow" and not a.chunk_size:
+            unavailable[m] = "not available: --chunk-size 0"
+            continue
+        try:
+            cfgs[m] = _config(a, lay, prefix, mode_overrides(m, a))[0]
+            cfgs[m].validate(world)
+        except ConfigError as e:
+            unavailable[m] = f"not available: {e}"
+    p = base_cfg.parallel
+    state.init(p.tp, p.pp, p.sequence_parallel, p.backend)
+    cuda = torch.cuda.is_available() and base_cfg.train.device != "cpu"
+    if MCORE in cfgs and not cuda:
+        unavailable[MCORE] = "not available: needs CUDA (megatron-core's anchor synchronises the GPU)"
+    dev_name = f"{world}x {torch.cuda.get_device_name()}" if cuda else f"{world}x cpu"
+    train, _, _ = build_sequence_datasets(base_cfg.data, a.max_length, vocab)
+    m = base_cfg.model
+    dist_rep = length_report(train.lengths, a.max_length)
+    rep: dict = {
+        "device": dev_name,
+        "layout": a.layout,
+        "config": lay["config"],
+        "overrides": base_ov,
+        "shape": f"{m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.kv_heads}, "
+        f"ffn {m.ffn_size}, vocab {m.vocab_size}, S {a.max_length}, tp {p.tp} pp {p.pp}"
+        f"{' +SP' if p.sequence_parallel else ''}, global batch {base_cfg.train.global_batch_size}",
+        "torch": torch.__version__,
+        "call": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "data": prefix,
+        "distribution": {"generator": "megasparse data longtail", "docs": a.docs, "seed": a.data_seed, **dist_rep},
+        "data_line": f"data: {len(train)} training sequences, median {dist_rep['median']:.0f}, p90 "
+        f"{dist_rep['p90']:.0f}, p99 {dist_rep['p99']:.0f}, max {dist_rep['max']} tokens; padding to S wastes "
+        f"{100 * dist_rep['windows']['padding_share']:.1f}%",
+        "chunkflow": {"chunk_size": a.chunk_size, "max_chunks_in_memory": a.max_chunks},
+        "cases": [],
+    }
+    out = Path(a.out_dir) / f"chunkflow_{a.layout}.json"
+    ok = True
+    for mode in modes:
+        if mode in unavailable:
+            rep["cases"].append({"mode": mode, "error": unavailable[mode]})
+            bt.log0(f"--- {mode}: {unavailable[mode]}")
+            continue
+        bt.log0(f"--- {mode} ---")
+        try:
+            r = run_case(mode, cfgs[mode], train, vocab, a.warmup, a.steps)
+        except Exception as e:  # an OOM is a result too; keep going
+            traceback.print_exc()
+            bt._free()
+            rep["cases"].append({"mode": mode, "error": f"{type(e).__name__}: {e}"})
+            ok = False
+            continue
+        row = case_row(mode, cfgs[mode], r, world)
+        ok &= all(math.isfinite(x) for x in row["losses"])
+        rep["cases"].append(row)
+        bt.log0(f"{mode}: {row['step_ms']:.1f} ms, {row['real_tokens_per_s']:.0f} real tokens/s")
+        write_report(out, rep, partial=True)
+    write_report(out, rep, partial=False)
+    state.destroy()
+    return 0 if ok else 1
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("layout", choices=list(LAYOUTS))
+    p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every mode")
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {list(MODES + EXTRA_MODES)}")
+    p.add_argument("--max-length", type=int, default=None, help="S: longest sequence, window length (layout's)")
+    p.add_argument("--docs", type=int, default=None, help="documents in the generated set (layout's default)")
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="use this indexed dataset (with PREFIX.tokenizer.json) instead")
+    p.add_argument("--data-dir", default=os.environ.get("MEGASPARSE_CACHE", "/tmp/megasparse-chunkflow"))
+    p.add_argument("--chunk-size", type=int, default=None, help="chunkflow.chunk_size (default S/4; 0: skip)")
+    p.add_argument("--max-chunks", type=int, default=2, help="chunkflow.max_chunks_in_memory")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))
+    a = parse_with_overrides(p, argv)
+    if a.chunk_size is None:
+        a.chunk_size = (a.max_length or LAYOUTS[a.layout]["max_length"]) // 4
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""bench_chunkflow without a GPU: the cpu_tiny layout end to end (every mode a row: timed, or why not), and
+megatron-core's fixed-length stream (padding, real-token count) on its own."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+
+def _smoke(out: str) -> dict:
+    import json
+
+    import bench_chunkflow as bc
+
+    modes = "mcore-fixed,padded,padded/causal,chunkflow"
+    args = ["cpu_tiny", "--modes", modes, "--steps", "2", "--out-dir", out, "--data-dir", str(Path(out) / "data")]
+    rc = bc.main(args)
+    return {"rc": rc, "report": json.loads((Path(out) / "chunkflow_cpu_tiny.json").read_text())}
+
+
+def _validates(mode: str) -> bool:
+    """Whether this checkout's config knows the mode's keys (document attention, ChunkFlow land separately)."""
+    import bench_chunkflow as bc
+
+    from megasparse.config import ConfigError, load_config
+
+    a = SimpleNamespace(chunk_size=32, max_chunks=2)
+    lay = bc.LAYOUTS["cpu_tiny"]
+    try:
+        load_config(str(bc.ROOT / lay["config"]), lay["overrides"] + bc.mode_overrides(mode, a)).validate(1)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
+    from distributed import run_distributed
+
+    r = run_distributed(_smoke, 1, str(tmp_path))[0]
+    rep = r["report"]
+    assert r["rc"] == 0 and rep["partial"] is False and rep["device"] == "1x cpu"
+    by = {c["mode"]: c for c in rep["cases"]}
+    assert list(by) == ["mcore-fixed", "padded", "padded/causal", "chunkflow"]
+    assert by["mcore-fixed"]["error"].startswith("not available: needs CUDA")
+    for mode in ("padded", "padded/causal", "chunkflow"):
+        c = by[mode]
+        if mode != "padded/causal" and not _validates(mode):
+            assert c["error"].startswith("not available:"), c
+            continue
+        assert "error" not in c, c
+        assert c["real_tokens_per_s"] > 0 and c["step_ms"] > 0 and all(np.isfinite(c["losses"]))
+    # packing has no padding: every input position of the global batch is a real token
+    causal = by["padded/causal"]
+    assert causal["real_tokens_per_step"] == 4 * 128 and causal["padding_share"] == 0.0
+    d = rep["distribution"]
+    assert d["documents"] > 1000 and d["max"] <= 128 and d["windows"]["seq_length"] == 128
+    assert rep["table"].splitlines()[-1].startswith("real tok/s")
+
+
+def test_mcore_fixed_pads_each_sequence_and_counts_its_real_tokens(tmp_path) -> None:
+    import bench_chunkflow as bc
+
+    from megasparse.data.indexed import IndexedDataset, write_indexed
+    from megasparse.data.sequences import SequenceDataset
+
+    lens = [3, 9, 5, 12, 2, 7]
+    write_indexed(tmp_path / "d", [np.append(np.arange(1, n), 0) for n in lens])
+    seqs = SequenceDataset(IndexedDataset(tmp_path / "d"), np.arange(6), 0, max_length=10, seed=4)
+    cfg = SimpleNamespace(model=SimpleNamespace(seq_length=8), train=SimpleNamespace(global_batch_size=3))
+    rows = [bc.mcore_stream(cfg, seqs, r, 2, "cpu") for r in (0, 1)]  # two DP ranks
+    for step in range(3):  # two epochs: the seeded order, dealt round-robin over DP
+        got = [next(rows[0]), next(rows[1]), next(rows[0])]  # global micro-batches 0, 1, 2 of the step
+        want = [seqs.global_sequence(g) for g in range(3 * step, 3 * step + 3)]
+        for row, seq in zip(got, want):
+            assert row.shape == (1, 9)
+            n = min(len(seq), 9)
+            np.testing.assert_array_equal(row[0, :n].numpy(), seq[:n])
+            assert (row[0, n:] == 0).all()
+        assert bc.mcore_real_tokens(cfg, seqs, step) == sum(min(len(s), 8) for s in want)
