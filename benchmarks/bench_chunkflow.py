@@ -70,7 +70,8 @@ from megasparse.parallel import state  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 _TINY = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "parallel.tp=1", "model.num_layers=2",
          "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
-         "model.ffn_hidden_size=128", "model.vocab_size=512", "train.global_batch_size=4", "data.valid_fraction=0.1"]  # fmt: skip
+         "model.ffn_hidden_size=128", "model.vocab_size=512", "train.global_batch_size=4",
+         "data.valid_fraction=0.1"]  # fmt: skip
 LAYOUTS: dict[str, dict] = {
     # name: config, ranks, overrides, default maximum length S, default number of documents
     "4gpu_8b": dict(config="configs/gpu_8b8l_tp2_pp2_sp.yaml", ranks=4, overrides=[], max_length=32768, docs=10000),
@@ -123,7 +124,7 @@ def mcore_stream(cfg, seqs, dp_rank: int, dp: int, dev: torch.device):
     s, g_batch = cfg.model.seq_length, cfg.train.global_batch_size
     t = 0
     while True:
-        for g, toks in seqs.step_sequences(t, g_batch)[dp_rank::dp]:
+        for _, toks in seqs.step_sequences(t, g_batch)[dp_rank::dp]:
             row = torch.full((1, s + 1), seqs.eod_id, dtype=torch.int64)
             n = min(len(toks), s + 1)
             row[0, :n] = torch.from_numpy(toks[:n])
