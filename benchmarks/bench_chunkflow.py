@@ -1,8 +1,8 @@
 """ChunkFlow's benchmark (issue 30): real tokens/s and peak memory on long-tail data, three ways, one call.
 
     torchrun --nproc_per_node 4 benchmarks/bench_chunkflow.py 4gpu_8b [--modes mcore-fixed,padded,chunkflow]
-        [--max-length 32768] [--docs 10000] [--chunk-size 8192] [--max-chunks 2] [--warmup 1] [--steps 3]
-        [--data PREFIX] [--out-dir DIR] [section.key=value ...]
+        [--max-length 32768[,65536]] [--longer-modes chunkflow] [--docs 10000] [--chunk-size 8192]
+        [--max-chunks 2] [--warmup 1] [--steps 3] [--data PREFIX] [--out-dir DIR] [section.key=value ...]
     python benchmarks/bench_chunkflow.py cpu_tiny --out-dir /tmp/cf      # smoke test of the code path, CPU
 
 Data. A long-tail set written by ``megasparse data longtail`` (``megasparse/data/longtail.py``) with the
@@ -11,7 +11,8 @@ others wait) unless ``--data`` names one: per document, with probability 0.95 a 
 S/40 and log-sd 0.95, else log-uniform in [S/8, S]; clipped to [16, S]; random Zipf-like token ids, EOD = 0.
 At S = 32768 and 10000 documents that is median ~870 tokens, mean ~1.9K, p90 ~3.8K (90% at or below 4K), p99
 ~21K, max ~32K; the 9% of documents above 4K hold half of the tokens. The JSON carries the spec and the
-training split's :func:`~megasparse.data.lengths.length_report` (``distribution``).
+training split's :func:`~megasparse.data.lengths.length_report` (``distributions`` per S; ``distribution``: the
+first S's).
 
 Modes, each on the same data and model, every rank in the same process group:
 
@@ -26,6 +27,11 @@ Modes, each on the same data and model, every rank in the same process group:
   default list).
 * ``chunkflow``: megasparse with ChunkFlow (``chunkflow.enabled``, ``chunkflow.chunk_size``,
   ``chunkflow.max_chunks_in_memory``): see :func:`chunkflow_overrides`, the hook its engineer fills in.
+
+Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
+``chunkflow``) at the others, each on its own set generated with that S (same shape, scaled) and the same chunk
+size (default: the first S / 4); ``mem_vs_first_length`` is a row's peak memory over the same mode's at the
+first S (issue 30: ChunkFlow's within 10% when S doubles).
 
 A mode whose keys this checkout's config does not know is a row ``not available: ...``, not a crash; so is
 ``mcore-fixed`` without CUDA. Metrics per mode: ``real_tokens_per_s`` (non-padding input tokens of the step,
@@ -106,12 +112,12 @@ def mode_overrides(mode: str, a: argparse.Namespace) -> list[str]:
     }[mode]
 
 
-def ensure_data(a: argparse.Namespace, vocab: int) -> str:
-    """The long-tail set's prefix: ``--data``, or the spec's set built once under ``--data-dir``."""
+def ensure_data(a: argparse.Namespace, vocab: int, max_length: int) -> str:
+    """The long-tail set's prefix: ``--data``, or the spec's set for this S built once under ``--data-dir``."""
     if a.data:
         return a.data
-    min_len = min(16, max(2, a.max_length // 256))  # 16 at S >= 4096; tiny S keeps some spread
-    spec = LongTailSpec(docs=a.docs, vocab=vocab, max_length=a.max_length, seed=a.data_seed, min_length=min_len)
+    min_len = min(16, max(2, max_length // 256))  # 16 at S >= 4096; tiny S keeps some spread
+    spec = LongTailSpec(docs=a.docs, vocab=vocab, max_length=max_length, seed=a.data_seed, min_length=min_len)
     tag = hashlib.sha1(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:10]
     target = Path(a.data_dir) / f"longtail-{tag}"
     build_once(target, lambda d: write_longtail(d / "longtail", spec), builder=local_rank() == 0)
@@ -188,7 +194,7 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
     return {"times": times, "real": real, "mem_gib": mem, "losses": [x for x in losses if x is not None], "dev": dev}
 
 
-def case_row(mode: str, cfg, r: dict, world: int) -> dict:
+def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
     """The slowest rank's median step, real tokens per second (global and per GPU), memory and padding share."""
     dev = r["dev"]
     times = bt.gather_floats(r["times"], dev)
@@ -198,6 +204,7 @@ def case_row(mode: str, cfg, r: dict, world: int) -> dict:
     slots = cfg.train.global_batch_size * cfg.model.seq_length
     return {
         "mode": mode,
+        "max_length": max_length,
         "step_ms": 1e3 * step_s,
         "real_tokens_per_step": real,
         "real_tokens_per_s": real / step_s,
@@ -211,21 +218,29 @@ def case_row(mode: str, cfg, r: dict, world: int) -> dict:
 
 
 def add_ratios(cases: list[dict]) -> None:
-    """Each timed row's real tokens/s over ``mcore-fixed``'s and ``padded``'s (> 1: more real tokens per second)."""
-    by = {c["mode"]: c for c in cases if "error" not in c}
-    for c in cases:
+    """Each timed row's real tokens/s over ``mcore-fixed``'s and ``padded``'s at the same S (> 1: more real tokens
+    per second), and its peak memory over the same mode's at the first S (``mem_vs_first_length``: ChunkFlow's
+    should stay near 1 when S doubles)."""
+    timed = [c for c in cases if "error" not in c]
+    first_s = timed[0]["max_length"] if timed else None
+    by = {(c["mode"], c["max_length"]): c for c in timed}
+    for c in timed:
         for ref, key in ((MCORE, "vs_mcore_fixed"), ("padded", "vs_padded")):
-            ok = "error" not in c and ref in by
-            c[key] = c["real_tokens_per_s"] / by[ref]["real_tokens_per_s"] if ok else None
+            r = by.get((ref, c["max_length"]))
+            c[key] = c["real_tokens_per_s"] / r["real_tokens_per_s"] if r else None
+        r = by.get((c["mode"], first_s))
+        ok = r is not None and r is not c and c["mem_gib"] is not None and r["mem_gib"]
+        c["mem_vs_first_length"] = c["mem_gib"] / r["mem_gib"] if ok else None
 
 
 def format_table(rep: dict) -> str:
-    head = f"{'mode':<14} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} {'mem GiB':>8} {'vs mcore':>9} "
-    head += f"{'vs padded':>9}"
-    lines = [f"chunkflow | {rep['device']} | {rep['layout']}: {rep['shape']}", rep["data_line"], head, "-" * len(head)]
+    head = f"{'mode':<14} {'S':>6} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} {'mem GiB':>8} "
+    head += f"{'vs mcore':>9} {'vs padded':>9} {'mem/S0':>7}"
+    lines = [f"chunkflow | {rep['device']} | {rep['layout']}: {rep['shape']}", *rep["data_lines"], head]
+    lines.append("-" * len(head))
     for c in rep["cases"]:
         if "error" in c:
-            lines.append(f"{c['mode']:<14} {c['error'][:110]}")
+            lines.append(f"{c['mode']:<14} {c['max_length']:>6} {c['error'][:110]}")
             continue
 
         def f(key, spec, c=c):
@@ -233,12 +248,13 @@ def format_table(rep: dict) -> str:
             return format(x, spec) if x is not None else f"{'-':>{spec.split('.')[0]}}"
 
         lines.append(
-            f"{c['mode']:<14} {c['step_ms']:9.1f} {c['real_tokens_per_s']:11.0f} {c['real_tokens_per_s_per_gpu']:9.0f} "
-            f"{100 * c['padding_share']:7.1f}% {f('mem_gib', '8.2f')} {f('vs_mcore_fixed', '9.3f')} "
-            f"{f('vs_padded', '9.3f')}"
+            f"{c['mode']:<14} {c['max_length']:>6} {c['step_ms']:9.1f} {c['real_tokens_per_s']:11.0f} "
+            f"{c['real_tokens_per_s_per_gpu']:9.0f} {100 * c['padding_share']:7.1f}% {f('mem_gib', '8.2f')} "
+            f"{f('vs_mcore_fixed', '9.3f')} {f('vs_padded', '9.3f')} {f('mem_vs_first_length', '7.3f')}"
         )
     lines.append(
-        "real tok/s: non-padding input tokens per second, all GPUs; vs: real tokens/s over that mode's (> 1: faster)"
+        "real tok/s: non-padding input tokens per second, all GPUs; vs: real tokens/s over that mode's at the same S "
+        "(> 1: faster); mem/S0: peak memory over the same mode's at the first S"
     )
     return "\n".join(lines)
 
@@ -254,12 +270,12 @@ def write_report(out: Path, rep: dict, partial: bool) -> None:
             print(rep["table"], flush=True)
 
 
-def _config(a, lay: dict, prefix: str, extra: list[str]):
+def _config(a, lay: dict, prefix: str, max_length: int, extra: list[str]):
     base = [
         *lay["overrides"],
         f"data.prefix={prefix}",
         f"data.tokenizer={prefix}.tokenizer.json",
-        f"model.seq_length={a.max_length}",
+        f"model.seq_length={max_length}",
         "train.micro_batch_size=1",
         "train.eval_interval=0",
         *a.overrides,
@@ -267,86 +283,102 @@ def _config(a, lay: dict, prefix: str, extra: list[str]):
     return load_config(str(ROOT / lay["config"]), base + extra), base
 
 
+def plan(a: argparse.Namespace, lay: dict, world: int) -> list[dict]:
+    """Per maximum length S: its data, base config and every mode's config or why it is not available. Runs
+    before any process group exists (local rank 0 builds the data, the others wait); a ConfigError of the base
+    config ends the run, a mode's only marks that mode."""
+    vocab = load_config(str(ROOT / lay["config"]), lay["overrides"] + a.overrides).model.vocab_size
+    runs = []
+    for i, s in enumerate(a.max_lengths):
+        prefix = ensure_data(a, vocab, s)
+        base_cfg, base_ov = _config(a, lay, prefix, s, [])
+        base_cfg.validate(world)
+        modes = a.modes if i == 0 else [m for m in a.longer_modes if m in a.modes]
+        cfgs, unavailable = {}, {}
+        for m in modes:
+            if m == "chunkflow" and not a.chunk_size:
+                unavailable[m] = "not available: --chunk-size 0"
+                continue
+            try:
+                cfgs[m] = _config(a, lay, prefix, s, mode_overrides(m, a))[0]
+                cfgs[m].validate(world)
+            except ConfigError as e:
+                unavailable[m] = f"not available: {e}"
+        runs.append(dict(S=s, vocab=vocab, prefix=prefix, base=base_cfg, base_ov=base_ov, modes=modes, cfgs=cfgs,
+                         unavailable=unavailable))  # fmt: skip
+    return runs
+
+
 def run(a: argparse.Namespace) -> int:
     lay = LAYOUTS[a.layout]
-    a.max_length = a.max_length or lay["max_length"]
     a.docs = a.docs or lay["docs"]
     world = state.world_env()[1]
     if world != lay["ranks"]:
         print(f"bench_chunkflow: layout {a.layout} needs {lay['ranks']} ranks, got {world}", file=sys.stderr)
         return 2
-    modes = [m for m in a.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES + EXTRA_MODES]
+    bad = [m for m in a.modes + a.longer_modes if m not in MODES + EXTRA_MODES]
     if bad:
         print(f"bench_chunkflow: unknown modes {bad}; use {list(MODES + EXTRA_MODES)}", file=sys.stderr)
         return 2
-    try:  # the base config validates before any process group exists; a mode's unknown keys only mark that mode
-        vocab = load_config(str(ROOT / lay["config"]), lay["overrides"] + a.overrides).model.vocab_size
-        prefix = ensure_data(a, vocab)
-        base_cfg, base_ov = _config(a, lay, prefix, [])
-        base_cfg.validate(world)
+    try:
+        runs = plan(a, lay, world)
     except ConfigError as e:
         print(f"bench_chunkflow: error: {e}", file=sys.stderr)
         return 2
-    unavailable: dict[str, str] = {}
-    cfgs = {}
-    for m in modes:
-        if m == "chunkflow" and not a.chunk_size:
-            unavailable[m] = "not available: --chunk-size 0"
-            continue
-        try:
-            cfgs[m] = _config(a, lay, prefix, mode_overrides(m, a))[0]
-            cfgs[m].validate(world)
-        except ConfigError as e:
-            unavailable[m] = f"not available: {e}"
-    p = base_cfg.parallel
+    base_cfg = runs[0]["base"]
+    p, m = base_cfg.parallel, base_cfg.model
     state.init(p.tp, p.pp, p.sequence_parallel, p.backend)
     cuda = torch.cuda.is_available() and base_cfg.train.device != "cpu"
-    if MCORE in cfgs and not cuda:
-        unavailable[MCORE] = "not available: needs CUDA (megatron-core's anchor synchronises the GPU)"
-    dev_name = f"{world}x {torch.cuda.get_device_name()}" if cuda else f"{world}x cpu"
-    train, _, _ = build_sequence_datasets(base_cfg.data, a.max_length, vocab)
-    m = base_cfg.model
-    dist_rep = length_report(train.lengths, a.max_length)
     rep: dict = {
-        "device": dev_name,
+        "device": f"{world}x {torch.cuda.get_device_name()}" if cuda else f"{world}x cpu",
         "layout": a.layout,
         "config": lay["config"],
-        "overrides": base_ov,
+        "overrides": runs[0]["base_ov"],
         "shape": f"{m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.kv_heads}, "
-        f"ffn {m.ffn_size}, vocab {m.vocab_size}, S {a.max_length}, tp {p.tp} pp {p.pp}"
-        f"{' +SP' if p.sequence_parallel else ''}, global batch {base_cfg.train.global_batch_size}",
+        f"ffn {m.ffn_size}, vocab {m.vocab_size}, tp {p.tp} pp {p.pp}{' +SP' if p.sequence_parallel else ''}, "
+        f"global batch {base_cfg.train.global_batch_size}",
         "torch": torch.__version__,
         "call": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "data": prefix,
-        "distribution": {"generator": "megasparse data longtail", "docs": a.docs, "seed": a.data_seed, **dist_rep},
-        "data_line": f"data: {len(train)} training sequences, median {dist_rep['median']:.0f}, p90 "
-        f"{dist_rep['p90']:.0f}, p99 {dist_rep['p99']:.0f}, max {dist_rep['max']} tokens; padding to S wastes "
-        f"{100 * dist_rep['windows']['padding_share']:.1f}%",
         "chunkflow": {"chunk_size": a.chunk_size, "max_chunks_in_memory": a.max_chunks},
+        "distributions": {},
+        "data_lines": [],
         "cases": [],
     }
     out = Path(a.out_dir) / f"chunkflow_{a.layout}.json"
     ok = True
-    for mode in modes:
-        if mode in unavailable:
-            rep["cases"].append({"mode": mode, "error": unavailable[mode]})
-            bt.log0(f"--- {mode}: {unavailable[mode]}")
-            continue
-        bt.log0(f"--- {mode} ---")
-        try:
-            r = run_case(mode, cfgs[mode], train, vocab, a.warmup, a.steps)
-        except Exception as e:  # an OOM is a result too; keep going
-            traceback.print_exc()
-            bt._free()
-            rep["cases"].append({"mode": mode, "error": f"{type(e).__name__}: {e}"})
-            ok = False
-            continue
-        row = case_row(mode, cfgs[mode], r, world)
-        ok &= all(math.isfinite(x) for x in row["losses"])
-        rep["cases"].append(row)
-        bt.log0(f"{mode}: {row['step_ms']:.1f} ms, {row['real_tokens_per_s']:.0f} real tokens/s")
-        write_report(out, rep, partial=True)
+    for run_ in runs:
+        s, unavailable = run_["S"], dict(run_["unavailable"])
+        if MCORE in run_["cfgs"] and not cuda:
+            unavailable[MCORE] = "not available: needs CUDA (megatron-core's anchor synchronises the GPU)"
+        train, _, _ = build_sequence_datasets(run_["base"].data, s, run_["vocab"])
+        d = length_report(train.lengths, s)
+        gen = {"generator": "megasparse data longtail", "docs": a.docs, "seed": a.data_seed, "data": run_["prefix"]}
+        rep["distributions"][str(s)] = {**gen, **d}
+        rep.setdefault("distribution", rep["distributions"][str(s)])  # the first (main) maximum length's
+        rep["data_lines"].append(
+            f"S {s}: {len(train)} training sequences, median {d['median']:.0f}, p90 {d['p90']:.0f}, p99 "
+            f"{d['p99']:.0f}, max {d['max']} tokens; padding each to S wastes "
+            f"{100 * d['windows']['padding_share']:.1f}%"
+        )
+        for mode in run_["modes"]:
+            if mode in unavailable:
+                rep["cases"].append({"mode": mode, "max_length": s, "error": unavailable[mode]})
+                bt.log0(f"--- {mode} S={s}: {unavailable[mode]}")
+                continue
+            bt.log0(f"--- {mode} S={s} ---")
+            try:
+                r = run_case(mode, run_["cfgs"][mode], train, run_["vocab"], a.warmup, a.steps)
+            except Exception as e:  # an OOM is a result too; keep going
+                traceback.print_exc()
+                bt._free()
+                rep["cases"].append({"mode": mode, "max_length": s, "error": f"{type(e).__name__}: {e}"})
+                ok = False
+                continue
+            row = case_row(mode, run_["cfgs"][mode], r, world, s)
+            ok &= all(math.isfinite(x) for x in row["losses"])
+            rep["cases"].append(row)
+            bt.log0(f"{mode} S={s}: {row['step_ms']:.1f} ms, {row['real_tokens_per_s']:.0f} real tokens/s")
+            write_report(out, rep, partial=True)
     write_report(out, rep, partial=False)
     state.destroy()
     return 0 if ok else 1
@@ -357,7 +389,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("layout", choices=list(LAYOUTS))
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every mode")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {list(MODES + EXTRA_MODES)}")
-    p.add_argument("--max-length", type=int, default=None, help="S: longest sequence, window length (layout's)")
+    p.add_argument("--max-length", default=None, help="S, the longest sequence and window (layout's); S1,S2,...: also")
+    p.add_argument("--longer-modes", default="chunkflow", help="the modes run at the second and later S")
     p.add_argument("--docs", type=int, default=None, help="documents in the generated set (layout's default)")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--data", default=None, help="use this indexed dataset (with PREFIX.tokenizer.json) instead")
@@ -368,8 +401,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))
     a = parse_with_overrides(p, argv)
-    if a.chunk_size is None:
-        a.chunk_size = (a.max_length or LAYOUTS[a.layout]["max_length"]) // 4
+    a.max_lengths = [int(x) for x in str(a.max_length or LAYOUTS[a.layout]["max_length"]).split(",") if x]
+    a.modes = [m for m in a.modes.split(",") if m]
+    a.longer_modes = [m for m in a.longer_modes.split(",") if m]
+    if a.chunk_size is None:  # one chunk size for every S: ChunkFlow's memory should not follow S
+        a.chunk_size = a.max_lengths[0] // 4
     return a
 
 

@@ -82,3 +82,19 @@ def test_mcore_fixed_pads_each_sequence_and_counts_its_real_tokens(tmp_path) -> 
             np.testing.assert_array_equal(row[0, :n].numpy(), seq[:n])
             assert (row[0, n:] == 0).all()
         assert bc.mcore_real_tokens(cfg, seqs, step) == sum(min(len(s), 8) for s in want)
+
+
+def test_ratios_compare_within_one_length_and_memory_across_lengths() -> None:
+    import bench_chunkflow as bc
+
+    def row(mode, s, tok_s, mem):
+        return {"mode": mode, "max_length": s, "real_tokens_per_s": tok_s, "mem_gib": mem}
+
+    oom = {"mode": "mcore-fixed", "max_length": 16, "error": "OutOfMemoryError"}
+    cases = [row("mcore-fixed", 8, 100.0, 20.0), row("padded", 8, 300.0, 18.0), row("chunkflow", 8, 450.0, 10.0)]
+    cases += [oom, row("chunkflow", 16, 500.0, 10.5)]
+    bc.add_ratios(cases)
+    cf8, cf16 = cases[2], cases[4]
+    assert cf8["vs_mcore_fixed"] == 4.5 and cf8["vs_padded"] == 1.5 and cf8["mem_vs_first_length"] is None
+    assert cf16["vs_mcore_fixed"] is None and cf16["vs_padded"] is None  # no anchor at that length
+    assert cf16["mem_vs_first_length"] == 1.05 and cases[0]["vs_mcore_fixed"] == 1.0
