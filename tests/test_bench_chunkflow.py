@@ -98,3 +98,24 @@ def test_ratios_compare_within_one_length_and_memory_across_lengths() -> None:
     assert cf8["vs_mcore_fixed"] == 4.5 and cf8["vs_padded"] == 1.5 and cf8["mem_vs_first_length"] is None
     assert cf16["vs_mcore_fixed"] is None and cf16["vs_padded"] is None  # no anchor at that length
     assert cf16["mem_vs_first_length"] == 1.05 and cases[0]["vs_mcore_fixed"] == 1.0
+
+
+def test_every_mode_of_the_gpu_layout_is_a_valid_config_or_not_available() -> None:
+    """4gpu_8b at S = 32768 and 65536: the base config and each megasparse mode validate on 4 ranks (the device
+    question left to the GPU), except a mode whose keys this checkout lacks."""
+    import bench_chunkflow as bc
+
+    from megasparse.config import ConfigError
+
+    a = bc.parse_args(["4gpu_8b", "--max-length", "32768,65536", "train.device=auto", "parallel.backend=auto"])
+    assert a.max_lengths == [32768, 65536] and a.chunk_size == 8192 and a.modes == list(bc.MODES)
+    lay = bc.LAYOUTS["4gpu_8b"]
+    for s in a.max_lengths:
+        base, _ = bc._config(a, lay, "/nonexistent/longtail", s, [])
+        base.validate(4)
+        assert base.model.seq_length == s and base.model.vocab_size == 128256 and base.parallel.tp == 2
+        for mode in (*bc.MODES, *bc.EXTRA_MODES):
+            try:
+                bc._config(a, lay, "/nonexistent/longtail", s, bc.mode_overrides(mode, a))[0].validate(4)
+            except ConfigError as e:
+                assert mode in ("padded", "chunkflow") and "unknown config key" in str(e), (mode, e)

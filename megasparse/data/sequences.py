@@ -130,6 +130,13 @@ class SequenceDataset:
             raise ConfigError(f"step_sequences(step={step}, n={n}): step must be >= 0 and n >= 1")
         return [(g, self.global_sequence(g, seed)) for g in range(step * n, step * n + n)]
 
+    def step_lengths(self, step: int, n: int, seed: int | None = None) -> np.ndarray:
+        """Token counts of :meth:`step_sequences`'s sequences, from the index alone (plan chunks and balance DP
+        ranks before reading any token)."""
+        if step < 0 or n < 1:
+            raise ConfigError(f"step_lengths(step={step}, n={n}): step must be >= 0 and n >= 1")
+        return self.lengths[[self.global_index(g, seed) for g in range(step * n, step * n + n)]]
+
 
 def sequence_splits(
     indexed: IndexedDataset, data_cfg: DataConfig, eod_id: int, max_length: int | None = None, truncate: bool = True
