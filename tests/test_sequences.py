@@ -86,6 +86,7 @@ def test_step_sequences_are_seeded_global_and_resume_exactly(mixed):
         for (g0, a), (g1, b) in zip(run[step], again.step_sequences(step, 5)):
             assert g0 == g1
             np.testing.assert_array_equal(a, b)
+        assert again.step_lengths(step, 5).tolist() == [len(t) for _, t in run[step]]
     assert [valid.global_index(g) for g in range(len(valid))] == list(range(len(valid)))  # valid: file order
     with pytest.raises(ConfigError, match="n >= 1"):
         train.step_sequences(0, 0)
