@@ -1,4 +1,4 @@
-"""Data: built-in corpus, tokenizer, Megatron indexed datasets, packing, blends and the batch order.
+"""Data: built-in corpus, tokenizer, Megatron indexed datasets, packing, blends, the batch order and whole sequences.
 
 Exports are imported lazily so that reading ``megasparse.data.config`` (every config load) stays cheap.
 """
@@ -21,6 +21,9 @@ _EXPORTS = {
     "IndexedDataset": "indexed",
     "IndexedWriter": "indexed",
     "DataError": "indexed",
+    "SequenceDataset": "sequences",
+    "build_sequence_datasets": "sequences",
+    "length_report": "lengths",
     "ensure_builtin": "builtin",
     "builtin_paths": "builtin",
 }
