@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distributed import run_distributed
+from tiny import tiny
 
 from megasparse.ops.attention import attention, rope_tables
 from megasparse.ops.compact import CompactGrad, KeepMeta
@@ -136,3 +138,148 @@ def test_compact_backward_matches_collider_reference(shape, counts, static, dtyp
     got = x.grad
     assert isinstance(got, CompactGrad)
     assert rel(got.rows, xr.grad.reshape(s * b, -1)[idx]) < TOL[dtype]
+
+
+# -- model level: a packed window equals its documents run alone ---------------------------------------------------
+
+VOCAB, DOC_EOD = 250, 249
+MODEL = tiny(
+    data__prefix="packed-documents",  # build_data is replaced in the worker (DocumentData below)
+    data__document_attention="true",
+    model__num_layers=4,
+    train__global_batch_size=4,
+    filter__scorer="random",
+    filter__granularity="microbatch",
+)
+COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6"]
+
+
+def document_sample(g: int, seq: int) -> torch.Tensor:
+    """Sample g of the stream: seq + 1 random tokens with 0–3 EODs at seeded places; every fifth sample ends its
+    input with an EOD (the label after it starts the next document)."""
+    gen = torch.Generator().manual_seed(1000 + g)
+    tok = torch.randint(0, DOC_EOD, (seq + 1,), generator=gen)
+    tok[torch.randperm(seq + 1, generator=gen)[: g % 4]] = DOC_EOD
+    if g % 5 == 0:
+        tok[seq - 1] = DOC_EOD
+    return tok
+
+
+def packed_run(runs: list[list[str]]) -> list[dict]:
+    """Each run's per-token losses (last stage, per micro-batch) and gradients, with the data above."""
+    import megasparse.train as train_mod
+    from megasparse.config import load_config
+    from megasparse.data.dataset import SyntheticData
+    from megasparse.ops.compact import densify_count
+    from megasparse.parallel import state
+    from megasparse.parallel.consolidate import full_state_dict
+
+    class DocumentData(SyntheticData):
+        eod_id = DOC_EOD
+
+        def global_sample(self, g: int, seed: int | None = None) -> torch.Tensor:
+            return document_sample(g, self.seq)
+
+    def build_data(cfg):
+        seq = cfg.model.seq_length
+        return DocumentData(VOCAB, seq, 0), DocumentData(VOCAB, seq, 1, n=16), VOCAB
+
+    saved, out = train_mod.build_data, []
+    train_mod.build_data = build_data
+    try:
+        for n, overrides in enumerate(runs):
+            tr = train_mod.Trainer(load_config(None, MODEL + overrides), init_groups=n == 0)
+            ms, per_token = tr.forward_backward.step, []
+            plain_loss = ms.loss
+
+            def loss(values, batch, keep, i, plain_loss=plain_loss, per_token=per_token):
+                per_token.append(values.detach().clone())
+                return plain_loss(values, batch, keep, i)
+
+            ms.loss = loss
+            before = densify_count()
+            tr.compute_gradients()
+            lay = state.layout()
+            out.append(
+                {
+                    "grads": full_state_dict(tr.model, grads=True),
+                    "weights": full_state_dict(tr.model),
+                    "per_token": per_token if lay.is_last_stage else None,
+                    "tp_rank": lay.tp_rank,
+                    "kept_rows": tr.filter.kept_rows if tr.filter is not None else 0,
+                    "num_mb": tr.num_mb,
+                    "densified": densify_count() - before,
+                }
+            )
+    finally:
+        train_mod.build_data = saved
+    return out
+
+
+def documents_alone(res: dict, collider: bool, sp: int) -> tuple[list[torch.Tensor], dict]:
+    """Per-token losses [s, b] per micro-batch and gradients of the plain reference model run on each document
+    alone (its own sequence, positions from 0), with the same (random) kept tokens under collider."""
+    from reference_model import per_token_loss
+
+    from megasparse.config import load_config
+    from megasparse.filtering.selection import select_tokens
+
+    cfg = load_config(None, MODEL)
+    s, mb = cfg.model.seq_length, cfg.train.micro_batch_size
+    params = {k: v.clone().requires_grad_() for k, v in res["weights"].items()}
+    losses, total = [], 0.0
+    for j in range(res["num_mb"]):
+        tok = torch.stack([document_sample(j * mb + i, s) for i in range(mb)])
+        ids, tgt = tok[:, :-1].t(), tok[:, 1:].t()
+        keep = torch.ones(s, mb, dtype=torch.bool)
+        if collider:  # the trainer's random scores of micro-batch j (filtering/component.py)
+            gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + j)
+            keep = select_tokens(torch.rand(ids.shape, generator=gen), 0.6, "microbatch", sp_size=sp).mask
+        per = torch.zeros(s, mb, dtype=torch.float32)
+        for col in range(mb):
+            ends = [int(p) + 1 for p in (ids[:, col] == DOC_EOD).nonzero()] + [s]
+            start = 0
+            for end in sorted(set(ends)):
+                if end > start:
+                    sl = slice(start, end)
+                    doc_keep = keep[sl, col : col + 1] if collider else None
+                    loss = per_token_loss(
+                        params, cfg.model, VOCAB, ids[sl, col : col + 1], tgt[sl, col : col + 1], doc_keep
+                    )
+                    per = per.index_put((torch.arange(start, end), torch.tensor(col)), loss[:, 0])
+                start = end
+        losses.append(per.detach())
+        total = total + (per * keep).sum()
+    norm = res["kept_rows"] * res["num_mb"] if collider else res["num_mb"] * mb * s
+    (total / norm).backward()
+    return losses, {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in params.items()}
+
+
+def assert_documents_alone(results: list[dict], collider: bool, sp: int = 1) -> None:
+    """The last stage's per-token losses (SP shards in TP-rank order) and the gradients match the reference."""
+    res = results[0]
+    ref_losses, ref_grads = documents_alone(res, collider, sp)
+    last = sorted((r for r in results if r["per_token"] is not None), key=lambda r: r["tp_rank"])
+    for j, ref in enumerate(ref_losses):
+        parts = [r["per_token"][j] for r in last]
+        got = torch.cat(parts) if parts[0].numel() < ref.numel() else parts[0]
+        assert ((got.view_as(ref) - ref).norm() / ref.norm()).item() < 1e-5, j
+    for k, ref in ref_grads.items():
+        err = ((res["grads"][k] - ref).norm() / ref.norm().clamp_min(1e-20)).item()
+        assert err < 1e-5, (k, err)
+    assert all(r["densified"] == 0 for r in results)
+
+
+def test_packed_window_equals_documents_alone_tp1():
+    dense, collider = run_distributed(packed_run, 1, [[], COLLIDER])[0]
+    assert_documents_alone([dense], False)
+    assert_documents_alone([collider], True)
+
+
+@pytest.mark.slow
+def test_packed_window_equals_documents_alone_tp2_pp2_sp():
+    """TP 2 × PP 2 + SP on gloo: attention sees the whole window under SP, every stage builds the same spans."""
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+    runs = run_distributed(packed_run, 4, [layout, layout + COLLIDER])
+    assert_documents_alone([r[0] for r in runs], False)
+    assert_documents_alone([r[1] for r in runs], True, sp=2)
