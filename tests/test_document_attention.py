@@ -271,9 +271,21 @@ def assert_documents_alone(results: list[dict], collider: bool, sp: int = 1) -> 
 
 
 def test_packed_window_equals_documents_alone_tp1():
-    dense, collider = run_distributed(packed_run, 1, [[], COLLIDER])[0]
+    """Also under activation recompute: the full layer checkpoint reruns the blocks with the same spans."""
+    runs = [[], COLLIDER, ["model.recompute=full"] + COLLIDER, ["model.recompute=selective"]]
+    dense, collider, full, selective = run_distributed(packed_run, 1, runs)[0]
     assert_documents_alone([dense], False)
     assert_documents_alone([collider], True)
+    assert_documents_alone([full], True)
+    assert_documents_alone([selective], False)
+
+
+def test_synthetic_data_has_no_documents():
+    from megasparse.config import load_config
+    from megasparse.configbase import ConfigError
+
+    with pytest.raises(ConfigError, match="synthetic data .* has no documents"):
+        load_config(None, tiny(data__document_attention="true")).validate(1)
 
 
 @pytest.mark.slow
