@@ -7,11 +7,14 @@ run alone from position 0 (tp 1, and tp 2 × pp 2 + SP on gloo; with and without
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from distributed import run_distributed
 from tiny import tiny
 
+from megasparse.data.dataset import SyntheticData
 from megasparse.ops.attention import attention, rope_tables
 from megasparse.ops.compact import CompactGrad, KeepMeta
 from megasparse.ops.documents import DocSpans, reference_attention
@@ -165,30 +168,44 @@ def document_sample(g: int, seq: int) -> torch.Tensor:
     return tok
 
 
-def packed_run(runs: list[list[str]]) -> list[dict]:
-    """Each run's per-token losses (last stage, per micro-batch) and gradients, with the data above."""
+class DocumentData(SyntheticData):
+    """The synthetic stream with documents (``document_sample``) and the EOD id a packed dataset carries."""
+
+    eod_id = DOC_EOD
+
+    def global_sample(self, g: int, seed: int | None = None) -> torch.Tensor:
+        return document_sample(g, self.seq)
+
+
+@contextmanager
+def packed_documents():
+    """The trainer reads ``DocumentData`` (its ``build_data`` replaced while inside)."""
     import megasparse.train as train_mod
-    from megasparse.config import load_config
-    from megasparse.data.dataset import SyntheticData
-    from megasparse.ops.compact import densify_count
-    from megasparse.parallel import state
-    from megasparse.parallel.consolidate import full_state_dict
-
-    class DocumentData(SyntheticData):
-        eod_id = DOC_EOD
-
-        def global_sample(self, g: int, seed: int | None = None) -> torch.Tensor:
-            return document_sample(g, self.seq)
 
     def build_data(cfg):
         seq = cfg.model.seq_length
         return DocumentData(VOCAB, seq, 0), DocumentData(VOCAB, seq, 1, n=16), VOCAB
 
-    saved, out = train_mod.build_data, []
+    saved = train_mod.build_data
     train_mod.build_data = build_data
     try:
+        yield
+    finally:
+        train_mod.build_data = saved
+
+
+def packed_run(runs: list[list[str]]) -> list[dict]:
+    """Each run's per-token losses (last stage, per micro-batch) and gradients, with the data above."""
+    from megasparse.config import load_config
+    from megasparse.ops.compact import densify_count
+    from megasparse.parallel import state
+    from megasparse.parallel.consolidate import full_state_dict
+    from megasparse.train import Trainer
+
+    out = []
+    with packed_documents():
         for n, overrides in enumerate(runs):
-            tr = train_mod.Trainer(load_config(None, MODEL + overrides), init_groups=n == 0)
+            tr = Trainer(load_config(None, MODEL + overrides), init_groups=n == 0)
             ms, per_token = tr.forward_backward.step, []
             plain_loss = ms.loss
 
@@ -211,8 +228,6 @@ def packed_run(runs: list[list[str]]) -> list[dict]:
                     "densified": densify_count() - before,
                 }
             )
-    finally:
-        train_mod.build_data = saved
     return out
 
 

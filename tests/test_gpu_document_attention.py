@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_document_attention import EOD, kept_rows, reference
+from test_gpu_cudagraph import one_rank  # noqa: F401 - the one-rank NCCL group fixture
 
 from megasparse.ops import attention as attn
 from megasparse.ops.attention import attention, rope_tables
@@ -105,3 +106,27 @@ def test_spans_and_attention_replay_in_a_cuda_graph():
     torch.cuda.synchronize()
     y_eager, g_eager = run()
     assert torch.equal(y_static, y_eager) and torch.equal(g_static, g_eager)
+
+
+@pytest.mark.parametrize("mode", ["dense", "collider"])
+@pytest.mark.usefixtures("one_rank")
+def test_captured_step_equals_eager(mode: str) -> None:
+    """train.cuda_graphs with document attention: the spans are rebuilt from the static ids on every replay, so the
+    captured step trains like the eager one (and unlike the step without documents)."""
+    from test_document_attention import packed_documents
+    from test_gpu_cudagraph import _losses
+
+    ov = ["data.prefix=packed-documents", "data.document_attention=true", "train.micro_batch_size=2"]
+    if mode == "collider":
+        ov += ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
+    with packed_documents():
+        eager_l, eager_g, used = _losses(ov + ["train.cuda_graphs=false"])
+        assert not used
+        graph_l, graph_g, used = _losses(ov + ["train.cuda_graphs=true"])
+        assert used, "the step with document attention was not captured"
+        plain_l, plain_g, _ = _losses(ov + ["train.cuda_graphs=false", "data.document_attention=false"])
+    assert graph_l[0] == pytest.approx(eager_l[0], rel=1e-6)
+    for a, b in zip(graph_l + graph_g, eager_l + eager_g):
+        assert a == pytest.approx(b, rel=2e-3), (graph_l, eager_l, graph_g, eager_g)
+    moved = max(abs(a - b) / abs(b) for a, b in zip(plain_l + plain_g, eager_l + eager_g))
+    assert moved > 1e-4, "the documents changed nothing"
