@@ -43,9 +43,9 @@ def test_dense_matches_reference(dtype):
     x = qkv.to("cuda", dtype).requires_grad_()
     y = attention(x, NQ, NKV, cos, sin, docs=DocSpans.from_ids(ids.cuda(), EOD))
     y.backward(gout.to("cuda", dtype))
-    xr = qkv.clone().requires_grad_()
+    xr = qkv.to(dtype).double().requires_grad_()  # the reference from the same rounded inputs
     yr = reference(xr, ids, NQ, NKV)
-    yr.backward(gout)
+    yr.backward(gout.to(dtype).double())
     assert rel(y, yr) < TOL[dtype] and rel(x.grad, xr.grad) < TOL[dtype]
 
 
@@ -71,8 +71,8 @@ def test_compact_backward_matches_collider_reference(dtype, static):
     keep = torch.zeros(S * B, dtype=torch.bool)
     keep[idx] = True
     keep = keep.view(S, B)
-    xr = qkv.clone().requires_grad_()
-    reference(xr, ids, NQ, NKV, keep).backward(gout * keep[..., None])
+    xr = qkv.to(dtype).double().requires_grad_()
+    reference(xr, ids, NQ, NKV, keep).backward(gout.to(dtype).double() * keep[..., None])
     assert rel(x.grad.rows, xr.grad.reshape(S * B, -1)[idx]) < TOL[dtype]
 
 

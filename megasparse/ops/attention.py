@@ -87,51 +87,6 @@ def _group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.unflatten(1, (heads, t.shape[1] // heads)).sum(2)
 
 
-def _masked_fwd(q, k, v, scale, bias):
-    """``_flash_fwd`` with an additive bias [b, 1, s, s] (0 or −inf, causality included) instead of is_causal."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and _CUDNN_BIAS["ok"]:
-        try:
-            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, False, False, scale=scale)
-            return r[0], r[1].view(r[1].shape[:3]), ("cudnn", r[6], r[7])
-        except RuntimeError as e:
-            _cudnn_bias_off(e)
-    k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    if q.is_cuda:  # the kernel wants the bias at the full [b, h, s, s] (a broadcast view)
-        full = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, full, True, 0.0, False, scale=scale)
-        return r[0], r[1], ("efficient", r[2], r[3])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=bias, scale=scale
-    )
-    return out, lse, None
-
-
-def _masked_bwd(g, q, k, v, out, lse, rng, scale, bias):
-    """``_flash_bwd`` under the bias the forward (or, compact, the kept rows' mask) used."""
-    s_q, s_k = q.shape[2], k.shape[2]
-    if rng is not None and rng[0] == "cudnn" and _CUDNN_BIAS["ok"]:
-        if g.stride() != out.stride():
-            g = torch.empty_like(out).copy_(g)
-        try:
-            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], bias, None, None, s_q, s_k, 0.0, False, scale=scale
-            )[:3]
-        except RuntimeError as e:  # the memory-efficient backward reads cuDNN's out and lse as they are
-            _cudnn_bias_off(e)
-    nkv, heads = k.shape[1], q.shape[1]
-    k, v = _expand(k, heads), _expand(v, heads)
-    if rng is not None:
-        full = bias.expand(q.shape[0], heads, s_q, s_k)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, full, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], False, scale=scale
-        )[:3]
-    else:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale
-        )
-    return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
-
-
 def _doc_bias(docs: DocSpans, q: torch.Tensor, rows: torch.Tensor | None = None, key=None) -> torch.Tensor:
     """The documents' mask as the kernels' bias, memoised per micro-batch (every layer reads the same)."""
     align = 16 if q.is_cuda else 1
@@ -140,56 +95,62 @@ def _doc_bias(docs: DocSpans, q: torch.Tensor, rows: torch.Tensor | None = None,
 
 def _flash_fwd(q, k, v, scale, bias=None):
     """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward); k, v may have fewer (GQA) heads.
-    ``bias``: a document mask (see ``_masked_fwd``)."""
-    if bias is not None:
-        return _masked_fwd(q, k, v, scale, bias)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"]:
+
+    ``bias``: a document mask, additive [b, 1, s, s] (0 or −inf, causality included), instead of is_causal: cuDNN
+    takes it as it is, the memory-efficient kernel broadcast to every head, the CPU kernel as ``attn_mask``; flash
+    takes none (decision 1200)."""
+    causal = bias is None
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and (causal or _CUDNN_BIAS["ok"]):
         # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007); it takes GQA's key/value
         # heads as they are (no repeated copies; fwd+bwd 2.84 -> 2.53 ms at b=4, 32/4 heads, decision 0010)
         try:
-            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False, scale=scale)
             return r[0], r[1].view(r[1].shape[:3]), ("cudnn", r[6], r[7])
         except RuntimeError as e:
-            _cudnn_off(e)
+            (_cudnn_off if causal else _cudnn_bias_off)(e)
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and causal:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         return r[0], r[1], ("flash", r[6], r[7])
-    if q.is_cuda:  # fp32 on GPU: efficient-attention path
-        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)
+    if q.is_cuda:  # fp32 on GPU, or a document mask: efficient-attention path
+        full = None if causal else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, full, True, 0.0, causal, scale=scale)
         return r[0], r[1], ("efficient", r[2], r[3])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+    )
     return out, lse, None
 
 
 def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None):
     """dq, dk, dv of causal attention on whatever rows are given (all, or the kept ones with their lse rows);
-    dk, dv come back with k's and v's (GQA) head count."""
-    if bias is not None:
-        return _masked_bwd(g, q, k, v, out, lse, rng, scale, bias)
+    dk, dv come back with k's and v's (GQA) head count. ``bias``: the document mask of these rows (see
+    ``_flash_fwd``)."""
     s_q, s_k = q.shape[2], k.shape[2]
-    if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"]:
+    causal = bias is None
+    if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"] and (causal or _CUDNN_BIAS["ok"]):
         if g.stride() != out.stride():  # cuDNN wants dO laid out like O
             g = torch.empty_like(out).copy_(g)
         try:
             return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], None, None, None, s_q, s_k, 0.0, True, scale=scale
+                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], bias, None, None, s_q, s_k, 0.0, causal, scale=scale
             )[:3]
-        except RuntimeError as e:  # flash's backward takes cuDNN's out and lse as they are
-            _cudnn_off(e)
+        except RuntimeError as e:  # flash's (or the efficient) backward takes cuDNN's out and lse as they are
+            (_cudnn_off if causal else _cudnn_bias_off)(e)
     nkv, heads = k.shape[1], q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
-    if rng is not None and rng[0] in ("flash", "cudnn"):
+    if rng is not None and rng[0] in ("flash", "cudnn") and causal:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, True, rng[1], rng[2], scale=scale
         )
     elif rng is not None:
+        full = None if causal else bias.expand(q.shape[0], heads, s_q, s_k)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, None, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], True, scale=scale
+            g, q, k, v, full, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], causal, scale=scale
         )[:3]
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, True, scale=scale
+            g, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
     return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
 
