@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from distributed import run_distributed
+from distributed import free_port, run_distributed
 from tiny import tiny
 
 from megasparse.data.dataset import SyntheticData
@@ -310,3 +310,24 @@ def test_packed_window_equals_documents_alone_tp2_pp2_sp():
     runs = run_distributed(packed_run, 4, [layout, layout + COLLIDER])
     assert_documents_alone([r[0] for r in runs], False)
     assert_documents_alone([r[1] for r in runs], True, sp=2)
+
+
+def test_benchmark_small_runs(tmp_path):
+    """benchmarks/bench_document_attention.py --small: the script the lead runs on a GPU, on tiny CPU shapes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    out = tmp_path / "bench.json"
+    script = root / "benchmarks" / "bench_document_attention.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--small", "--out", str(out)], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["documents"] > 1 and case["attn_documents_ms"] > 0 and "overhead_pct" in case
