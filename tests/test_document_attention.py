@@ -312,6 +312,17 @@ def test_packed_window_equals_documents_alone_tp2_pp2_sp():
     assert_documents_alone([r[1] for r in runs], True, sp=2)
 
 
+@pytest.mark.slow
+def test_packed_window_equals_documents_alone_pp2_vocab_and_virtual_stages():
+    """pp 2 with the vocabulary over the pipeline (embedding too: the first stage's input comes embedded, the spans
+    still from the ids) and with virtual stages (each chunk builds its spans)."""
+    vocab = ["parallel.pp=2", "loss.vocab_over_pp=true", "loss.embedding_over_pp=true"]
+    runs = [vocab, vocab + COLLIDER, ["parallel.pp=2", "parallel.virtual_stages=2"]]
+    res = run_distributed(packed_run, 2, runs)
+    for n, collider in enumerate([False, True, False]):
+        assert_documents_alone([r[n] for r in res], collider)
+
+
 def test_benchmark_small_runs(tmp_path):
     """benchmarks/bench_document_attention.py --small: the script the lead runs on a GPU, on tiny CPU shapes."""
     import json
