@@ -14,6 +14,7 @@ causal attention the tests compare the kernels against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +47,7 @@ class DocSpans:
         start = torch.cat([torch.zeros_like(start[:1]), start[:-1]])
         return cls(segments, t - start)
 
-    def derived(self, key, fn):
+    def derived(self, key: object, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Memoise something built from these spans (masks, biases) for every layer of the micro-batch."""
         if key not in self._cache:
             self._cache[key] = fn()
