@@ -95,6 +95,8 @@ def format_banner(cfg: Config, f: RunFacts) -> str:
         if value is not None:
             shown = _onoff(value) if isinstance(value, bool) else str(value)
             lines.append(f"  {key:<10} {shown} ({section}.{key})")
+    if getattr(cfg.data, "document_attention", False):
+        lines.append("  documents  attention within each document, positions restart after each EOD")
     lines.append(f"  graphs     {'on' if f.graphs_off is None else 'off: ' + f.graphs_off}")
     o = cfg.optim
     lines.append(

@@ -40,10 +40,19 @@ class DataConfig:
     ref_losses: str | list[str] | None = None
     """Optional sidecar of per-token reference losses aligned with ``prefix`` (token filtering); with
     ``data.blend``, a list of one sidecar per blend entry, in blend order."""
+    document_attention: bool = False
+    """Keep packed documents apart (Megatron's reset_attention_mask + reset_position_ids): a token attends only to
+    earlier tokens of its own document (up to and including the EOD that ends it) and RoPE positions restart at 0
+    after each EOD. Costs a [b, s, s] attention bias per micro-batch (docs/documents.md, decision 1200)."""
 
     def validate(self) -> None:
         if not 0.0 < self.valid_fraction < 0.5:
             raise ConfigError(f"data.valid_fraction={self.valid_fraction} must be in (0, 0.5)")
+        if self.document_attention and self.prefix == "synthetic" and self.blend is None:
+            raise ConfigError(
+                "data.document_attention: synthetic data (data.prefix=synthetic) has no documents; use an indexed "
+                "dataset or set data.document_attention=false"
+            )
         if self.tokenizer_vocab <= 257:
             raise ConfigError(f"data.tokenizer_vocab={self.tokenizer_vocab} must exceed 257 (bytes + EOD)")
         if self.blend is None:

@@ -21,6 +21,7 @@ from megasparse.model.config import ModelConfig
 from megasparse.ops import recompute
 from megasparse.ops.attention import attention, rope_tables
 from megasparse.ops.compact import KeepHolder
+from megasparse.ops.documents import DocSpans
 from megasparse.ops.rowwise import rms_norm, swiglu
 from megasparse.parallel import state
 from megasparse.parallel.embedding_pp import PPEmbedding
@@ -66,10 +67,12 @@ class Attention(nn.Module):
             self.qkv_bias = nn.Parameter(torch.zeros((self.nq + 2 * self.nkv) * d, device=device))
             self.qkv_bias.tp_spec = (0, parts)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None = None
+    ) -> torch.Tensor:
         qkv = self.qkv(x)
         bias = None if self.qkv_bias is None else self.qkv_bias.to(qkv.dtype)
-        return self.proj(attention(qkv, self.nq, self.nkv, cos, sin, self.recompute, bias))
+        return self.proj(attention(qkv, self.nq, self.nkv, cos, sin, self.recompute, bias, docs))
 
 
 class SwiGLUMLP(nn.Module):
@@ -105,13 +108,18 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLUMLP(cfg, layer, seed, device, sp, dtype, pg)
         self.full_recompute = cfg.recompute == "full"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None = None
+    ) -> torch.Tensor:
+        """``docs``: the micro-batch's documents (``data.document_attention``; None: one causal window)."""
         if self.full_recompute:  # only x is kept; the layer runs again in the backward (decision 0012)
-            return recompute.full(self._forward, x, cos, sin)
-        return self._forward(x, cos, sin)
+            return recompute.full(self._forward, x, cos, sin, docs)
+        return self._forward(x, cos, sin, docs)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def _forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs)
         return x + self.mlp(self.mlp_norm(x))
 
     def ffn_linears(self) -> dict[str, nn.Module]:
@@ -218,17 +226,22 @@ class GPTStage(nn.Module):
         return self.rope_cos, self.rope_sin
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: KeepHolder | None = None
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        keep: KeepHolder | None = None,
+        docs: DocSpans | None = None,
     ) -> torch.Tensor:
         """First stage: x is token ids [s, b] (the embedded input under embedding_over_pp).
 
-        Last stage returns per-token loss [s·b]; others hidden."""
+        Last stage returns per-token loss [s·b]; others hidden. ``docs``: the documents of the whole [s, b] window
+        (``data.document_attention``: attention within documents, RoPE at positions in them)."""
         full = x.shape[0] * (self.layout.tp if self.sp and not (self.first and not self.embedding_pp) else 1)
         cos, sin = self.rope(full)
         if self.first and not self.embedding_pp:
             x = self.embedding(x)
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, docs)
         if not self.last:
             return x
         x = self.final_norm(x)

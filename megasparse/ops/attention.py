@@ -8,6 +8,11 @@ gets the kernel's own backward. A ``CompactGrad`` (token filtering, Collider sem
 sequence, the same backward kernel on the kept queries/keys/values only, with the forward's
 output and log-sum-exp rows of the kept queries: gradients flow only among kept tokens, and RoPE
 is undone at the tokens' original positions.
+
+With ``docs`` (``data.document_attention``, decision 1200) a token attends only to its own document's earlier
+tokens and RoPE rotates it at its position in the document: the kernels take the mask as an additive bias
+(cuDNN on CUDA, the memory-efficient kernel if cuDNN refuses it, the CPU flash kernel on CPU), and the compact
+backward builds the mask of the kept rows, which keep their document and position.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 import torch
 
 from megasparse.ops.compact import CompactGrad
+from megasparse.ops.documents import DocSpans, additive_bias
 from megasparse.ops.rope_kernels import rope_into
 
 
@@ -57,6 +63,21 @@ def _cudnn_off(e: Exception) -> None:
     warnings.warn(f"megasparse: cuDNN attention unavailable ({type(e).__name__}: {e}); using flash", stacklevel=3)
 
 
+_CUDNN_BIAS = {"ok": True}
+"""cuDNN attention with a document-mask bias, until a call of it fails; then the memory-efficient kernel."""
+
+
+def _cudnn_bias_off(e: Exception) -> None:
+    import warnings
+
+    _CUDNN_BIAS["ok"] = False
+    warnings.warn(
+        f"megasparse: cuDNN attention with a document mask unavailable ({type(e).__name__}: {e}); using the "
+        "memory-efficient kernel",
+        stacklevel=3,
+    )
+
+
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
     """GQA's shared key/value heads repeated to ``heads`` for the kernels that want them whole."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
@@ -66,53 +87,70 @@ def _group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.unflatten(1, (heads, t.shape[1] // heads)).sum(2)
 
 
-def _flash_fwd(q, k, v, scale):
-    """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward); k, v may have fewer (GQA) heads."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"]:
+def _doc_bias(docs: DocSpans, q: torch.Tensor, rows: torch.Tensor | None = None, key=None) -> torch.Tensor:
+    """The documents' mask as the kernels' bias, memoised per micro-batch (every layer reads the same)."""
+    align = 16 if q.is_cuda else 1
+    return docs.derived(("bias", key, q.dtype, align), lambda: additive_bias(docs.allowed(rows), q.dtype, align))
+
+
+def _flash_fwd(q, k, v, scale, bias=None):
+    """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward); k, v may have fewer (GQA) heads.
+
+    ``bias``: a document mask, additive [b, 1, s, s] (0 or −inf, causality included), instead of is_causal: cuDNN
+    takes it as it is, the memory-efficient kernel broadcast to every head, the CPU kernel as ``attn_mask``; flash
+    takes none (decision 1200)."""
+    causal = bias is None
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and (causal or _CUDNN_BIAS["ok"]):
         # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007); it takes GQA's key/value
         # heads as they are (no repeated copies; fwd+bwd 2.84 -> 2.53 ms at b=4, 32/4 heads, decision 0010)
         try:
-            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False, scale=scale)
             return r[0], r[1].view(r[1].shape[:3]), ("cudnn", r[6], r[7])
         except RuntimeError as e:
-            _cudnn_off(e)
+            (_cudnn_off if causal else _cudnn_bias_off)(e)
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and causal:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         return r[0], r[1], ("flash", r[6], r[7])
-    if q.is_cuda:  # fp32 on GPU: efficient-attention path
-        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)
+    if q.is_cuda:  # fp32 on GPU, or a document mask: efficient-attention path
+        full = None if causal else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, full, True, 0.0, causal, scale=scale)
         return r[0], r[1], ("efficient", r[2], r[3])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+    )
     return out, lse, None
 
 
-def _flash_bwd(g, q, k, v, out, lse, rng, scale):
+def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None):
     """dq, dk, dv of causal attention on whatever rows are given (all, or the kept ones with their lse rows);
-    dk, dv come back with k's and v's (GQA) head count."""
+    dk, dv come back with k's and v's (GQA) head count. ``bias``: the document mask of these rows (see
+    ``_flash_fwd``)."""
     s_q, s_k = q.shape[2], k.shape[2]
-    if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"]:
+    causal = bias is None
+    if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"] and (causal or _CUDNN_BIAS["ok"]):
         if g.stride() != out.stride():  # cuDNN wants dO laid out like O
             g = torch.empty_like(out).copy_(g)
         try:
             return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], None, None, None, s_q, s_k, 0.0, True, scale=scale
+                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], bias, None, None, s_q, s_k, 0.0, causal, scale=scale
             )[:3]
-        except RuntimeError as e:  # flash's backward takes cuDNN's out and lse as they are
-            _cudnn_off(e)
+        except RuntimeError as e:  # flash's (or the efficient) backward takes cuDNN's out and lse as they are
+            (_cudnn_off if causal else _cudnn_bias_off)(e)
     nkv, heads = k.shape[1], q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
-    if rng is not None and rng[0] in ("flash", "cudnn"):
+    if rng is not None and rng[0] in ("flash", "cudnn") and causal:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, True, rng[1], rng[2], scale=scale
         )
     elif rng is not None:
+        full = None if causal else bias.expand(q.shape[0], heads, s_q, s_k)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, None, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], True, scale=scale
+            g, q, k, v, full, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], causal, scale=scale
         )[:3]
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, True, scale=scale
+            g, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
     return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
 
@@ -130,14 +168,14 @@ def _rows_at(t: torch.Tensor, flat: torch.Tensor, b: int, m: int) -> torch.Tenso
     return rows.index_select(0, flat).view(b, m, h, d).permute(0, 2, 1, 3)
 
 
-def _rotated(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor):
+def _rotated(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None):
     """(q, k, v) [b, heads, s, d] of the QKV rows: q and k rotated into one [s, b, heads, d] buffer like qkv, v a
-    view of qkv."""
+    view of qkv. ``docs``: rotated at each token's position in its document."""
     s, b, _ = qkv.shape
     d = qkv.shape[-1] // (nq + 2 * nkv)
     heads = qkv.view(s, b, nq + 2 * nkv, d)
     qk = qkv.new_empty(s, b, nq + nkv, d)
-    positions = torch.arange(s, device=qkv.device)
+    positions = torch.arange(s, device=qkv.device) if docs is None else docs.rope_positions()
     rope_into(qk.permute(1, 2, 0, 3), heads[:, :, : nq + nkv].permute(1, 2, 0, 3), cos, sin, positions)
     q = qk[:, :, :nq].permute(1, 2, 0, 3)  # [b, nq, s, d]
     k = qk[:, :, nq:].permute(1, 2, 0, 3)
@@ -155,24 +193,26 @@ class AttentionFn(torch.autograd.Function):
         sin: torch.Tensor,
         recompute: bool = False,
         bias: torch.Tensor | None = None,
+        docs: DocSpans | None = None,
     ):
         """``recompute`` (``model.recompute=selective``, decision 0012): save qkv, the output and the lse only, and
         rotate q and k again in the backward. The output is the projection's saved input anyway (the same storage
         under cuDNN), so rerunning the flash forward would free nothing more. ``bias`` (Qwen2's q/k/v biases) is
-        added before RoPE; its gradient is dqkv summed over tokens."""
+        added before RoPE; its gradient is dqkv summed over tokens. ``docs``: attention within documents."""
         if bias is not None:
             qkv = qkv + bias
         s, b, _ = qkv.shape
-        q, k, v = _rotated(qkv, nq, nkv, cos, sin)
+        q, k, v = _rotated(qkv, nq, nkv, cos, sin, docs)
         d = q.shape[-1]
         scale = d**-0.5
-        out, lse, rng = _flash_fwd(q, k, v, scale)  # k, v keep GQA's nkv heads (saved so: 1/group the memory)
+        mask = None if docs is None else _doc_bias(docs, q)
+        out, lse, rng = _flash_fwd(q, k, v, scale, mask)  # k, v keep GQA's nkv heads (saved so: 1/group the memory)
         y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
         if recompute:
             ctx.save_for_backward(qkv, y, lse, cos, sin)
         else:
             ctx.save_for_backward(q, k, v, out, lse, cos, sin)
-        ctx.recompute = recompute
+        ctx.recompute, ctx.docs = recompute, docs
         ctx.meta = (nq, nkv, d, scale, rng, qkv.shape, bias is not None)
         return y
 
@@ -180,9 +220,10 @@ class AttentionFn(torch.autograd.Function):
     def backward(ctx, g):
         nq, nkv, d, scale, rng, shape, has_bias = ctx.meta
         s, b, _ = shape
+        docs: DocSpans | None = ctx.docs
         if ctx.recompute:
             qkv, y, lse, cos, sin = ctx.saved_tensors
-            q, k, v = _rotated(qkv, nq, nkv, cos, sin)
+            q, k, v = _rotated(qkv, nq, nkv, cos, sin, docs)
             out = y.view(s, b, nq, d).permute(1, 2, 0, 3)
         else:
             q, k, v, out, lse, cos, sin = ctx.saved_tensors
@@ -202,9 +243,13 @@ class AttentionFn(torch.autograd.Function):
 
         if not isinstance(g, CompactGrad):
             go = g.view(s, b, nq, d).permute(1, 2, 0, 3)
-            dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
-            dqkv = finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape)
-            return dqkv, None, None, None, None, None, bias_grad(dqkv)
+            if docs is None:
+                dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
+                dqkv = finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape)
+            else:
+                dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale, _doc_bias(docs, q))
+                dqkv = finish(dq, dk, dv, docs.rope_positions()).reshape(shape)
+            return dqkv, None, None, None, None, None, bias_grad(dqkv), None
 
         # One batched kernel over the micro-batch: each sequence's kept positions, padded at the end to the
         # longest. Padded queries get a zero output gradient, so they add nothing to any real dq/dk/dv, and
@@ -226,14 +271,20 @@ class AttentionFn(torch.autograd.Function):
         )
         sub = [_rows_at(t, flat, b, m) for t in (q, k, v, out)]
         lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)).contiguous()
-        dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
-        got = finish(dq, dk, dv, pos).reshape(-1, shape[-1])
+        if docs is None:
+            dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
+            got = finish(dq, dk, dv, pos).reshape(-1, shape[-1])
+        else:  # kept rows keep their document and their position in it
+            kept_bias = _doc_bias(docs, q, pos, key=g.meta)
+            dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale, kept_bias)
+            doc_pos = docs.derived(("kept_pos", g.meta), lambda: docs.rope_positions().gather(1, pos))
+            got = finish(dq, dk, dv, doc_pos).reshape(-1, shape[-1])
         db = bias_grad(got)  # padded queries' rows are zeros: they add nothing
         if in_order:
-            return CompactGrad(got, g.meta, shape), None, None, None, None, None, db
+            return CompactGrad(got, g.meta, shape), None, None, None, None, None, db, None
         rows = g.rows.new_empty(k_rows + padded, shape[-1])  # with padding, the last row takes (and drops) it
         rows.index_copy_(0, sel.t().reshape(-1), got)
-        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None, None, db
+        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None, None, db, None
 
 
 def attention(
@@ -244,7 +295,9 @@ def attention(
     sin: torch.Tensor,
     recompute: bool = False,
     bias: torch.Tensor | None = None,
+    docs: DocSpans | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of this rank's [q | k | v] heads. ``recompute``: rotate q and k again in the backward
-    instead of saving them; ``bias`` ([(nq + 2·nkv)·d]) is added before RoPE."""
-    return AttentionFn.apply(qkv, nq, nkv, cos, sin, recompute, bias)
+    instead of saving them; ``bias`` ([(nq + 2·nkv)·d]) is added before RoPE; ``docs``: each token attends within
+    its document only, rotated at its position in it (``data.document_attention``)."""
+    return AttentionFn.apply(qkv, nq, nkv, cos, sin, recompute, bias, docs)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megasparse.banner import RunFacts
+from megasparse.configbase import ConfigError
 from megasparse.filtering.component import TokenFilter
 from megasparse.fp8.converter import Fp8Converter, fp8_from_config
 from megasparse.loss.pipeline import VocabOverPP
@@ -37,6 +38,8 @@ class Components:
     """The distributed optimizer's class (built later, with the buckets): it only answers ``capture_blocker``."""
     fp8: Fp8Converter | None = None
     """``train.fp8``: fp8 GEMMs on the block linears (on W ⊙ M under 2:4); copies remade after each step."""
+    eod: int | None = None
+    """``data.document_attention``: the end-of-document id of the training data (None: attention spans the window)."""
 
     def for_capture(self) -> list:
         """In the order ``cudagraph.capture_blocker`` asks them (the first reason is the one logged)."""
@@ -78,7 +81,17 @@ def build_components(cfg, model, train_ds, vocab: int, device: torch.device, dty
         kept = tf.kept_rows if tf is not None and tf.collider else None
         vocab_pp = VocabOverPP(model, cfg.loss, vocab=vocab, rows=rows, dtype=dtype, kept_rows=kept)
     sharded = DistributedAdamW if cfg.parallel.distributed_optimizer else None
-    return Components(tf, sparsity, vocab_pp, sharded, fp8_from_config(cfg))
+    return Components(tf, sparsity, vocab_pp, sharded, fp8_from_config(cfg), document_eod(cfg, train_ds))
+
+
+def document_eod(cfg, train_ds) -> int | None:
+    """The EOD id that ends the training data's documents when ``data.document_attention`` is on (else None)."""
+    if not cfg.data.document_attention:
+        return None
+    eod = getattr(train_ds, "eod_id", None)
+    if eod is None:
+        raise ConfigError(f"data.document_attention: the training data ({cfg.data.prefix}) has no end-of-document id")
+    return int(eod)
 
 
 def init_weights(cfg, model: torch.nn.Module, vocab: int) -> None:

@@ -50,7 +50,14 @@ class ForwardBackward:
         """The step of ``model`` (this rank's stage) with ``parts`` (``step/build.py``'s Components)."""
         tokens = cfg.train.micro_batch_size * cfg.model.seq_length
         ms = MicrobatchStep(
-            model, parts.filter, parts.vocab_pp, tokens_per_mb=tokens, num_mb=num_mb, dp=dp, dp_rank=dp_rank
+            model,
+            parts.filter,
+            parts.vocab_pp,
+            tokens_per_mb=tokens,
+            num_mb=num_mb,
+            dp=dp,
+            dp_rank=dp_rank,
+            eod=parts.eod,
         )
         return cls(cfg, ms, p2p, executor, device)
 

@@ -15,6 +15,7 @@ import torch
 
 from megasparse.data.batch import Batch
 from megasparse.ops.compact import KeepHolder
+from megasparse.ops.documents import DocSpans
 
 __all__ = ["MicrobatchStep"]
 
@@ -25,10 +26,22 @@ class MicrobatchStep:
     Components plug in here: the token filter's ``masked_loss`` is the loss function, the vocabulary-over-PP
     component (``loss/pipeline.py``: ``VocabOverPP``) supplies the first stage's embedded inputs."""
 
-    def __init__(self, model, token_filter, vocab_pp, *, tokens_per_mb: int, num_mb: int, dp: int, dp_rank: int):
+    def __init__(
+        self,
+        model,
+        token_filter,
+        vocab_pp,
+        *,
+        tokens_per_mb: int,
+        num_mb: int,
+        dp: int,
+        dp_rank: int,
+        eod: int | None = None,
+    ):
         """``num_mb``: micro-batches per optimizer step on this DP rank; the loss is normalised by the kept (or all)
-        tokens of the global batch, ``per micro-batch × num_mb × dp``."""
-        self.model, self.filter, self.vocab_pp = model, token_filter, vocab_pp
+        tokens of the global batch, ``per micro-batch × num_mb × dp``. ``eod``: the end-of-document id whose
+        documents attention keeps apart (``data.document_attention``; None: off)."""
+        self.model, self.filter, self.vocab_pp, self.eod = model, token_filter, vocab_pp, eod
         self.tokens_per_mb, self.num_mb, self.dp, self.dp_rank = tokens_per_mb, num_mb, dp, dp_rank
         self.batches: list[Batch] = []
         self.train, self.step, self.filtering, self.normaliser = False, 0, False, 1
@@ -60,7 +73,10 @@ class MicrobatchStep:
         emb = None if self.vocab_pp is None else self.vocab_pp.input(i)
         ids = batch.ids if emb is None else emb
         keep, stage = KeepHolder(), self.model.chunks[chunk]  # virtual stages: this rank's chunk `chunk`
-        out = stage(ids if stage.first else x, batch.targets, keep)
+        # documents from the whole window's ids, which every stage and TP rank holds; on the device, inside a
+        # captured graph too (from its static token buffer)
+        docs = {} if self.eod is None else {"docs": DocSpans.from_ids(batch.ids, self.eod)}
+        out = stage(ids if stage.first else x, batch.targets, keep, **docs)
         if not stage.last:
             return out
         self.loss_sum += out.detach().double().sum()  # in place: a captured graph adds into its static tensor

@@ -1,0 +1,132 @@
+"""GPU paths of document-aware attention (decision 1200): the bias kernels (cuDNN, memory-efficient) forward, dense
+and compact backward against the fp64 reference, and the spans computed inside a captured CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_document_attention import EOD, kept_rows, reference
+from test_gpu_cudagraph import one_rank  # noqa: F401 - the one-rank NCCL group fixture
+
+from megasparse.ops import attention as attn
+from megasparse.ops.attention import attention, rope_tables
+from megasparse.ops.compact import CompactGrad, KeepMeta
+from megasparse.ops.documents import DocSpans
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+S, B, NQ, NKV, D = 1000, 3, 8, 2, 64  # s not a multiple of 8: the bias rows are padded for the kernels
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-3}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
+
+
+def window(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv, output gradient (fp64, CPU) and ids [S, B]: many documents in sequence 0, none in 1, EOD last in 2."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(S, B, (NQ + 2 * NKV) * D, generator=gen, dtype=torch.float64)
+    gout = torch.randn(S, B, NQ * D, generator=gen, dtype=torch.float64)
+    ids = torch.randint(10, 50, (S, B), generator=gen)
+    ids[torch.randperm(S, generator=gen)[:12], 0] = EOD
+    ids[[0, 300, S - 1], 2] = EOD
+    return qkv, gout, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_matches_reference(dtype):
+    qkv, gout, ids = window(0)
+    cos, sin = rope_tables(S, D, 10000.0, "cuda")
+    x = qkv.to("cuda", dtype).requires_grad_()
+    y = attention(x, NQ, NKV, cos, sin, docs=DocSpans.from_ids(ids.cuda(), EOD))
+    y.backward(gout.to("cuda", dtype))
+    xr = qkv.to(dtype).double().requires_grad_()  # the reference from the same rounded inputs
+    yr = reference(xr, ids, NQ, NKV)
+    yr.backward(gout.to(dtype).double())
+    assert rel(y, yr) < TOL[dtype] and rel(x.grad, xr.grad) < TOL[dtype]
+
+
+def test_bf16_runs_cudnn_with_the_bias_on_hopper():
+    """The fast kernel is the one that ran: a failure here means cuDNN refused the bias (the memory-efficient
+    kernel then ran, correct but slower: the warning names the reason)."""
+    test_dense_matches_reference(torch.bfloat16)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert attn._CUDNN_BIAS["ok"] and attn._CUDNN["ok"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("static", [False, True])
+def test_compact_backward_matches_collider_reference(dtype, static):
+    qkv, gout, ids = window(1)
+    cos, sin = rope_tables(S, D, 10000.0, "cuda")
+    counts = [400] * B if static else [400, 700, 123]
+    idx = kept_rows(S, B, counts, torch.Generator().manual_seed(2))
+    meta = KeepMeta(idx.cuda(), S * B, batch=B, seq_count=counts[0] if static else None)
+    x = qkv.to("cuda", dtype).requires_grad_()
+    y = attention(x, NQ, NKV, cos, sin, docs=DocSpans.from_ids(ids.cuda(), EOD))
+    y.backward(CompactGrad(gout.reshape(S * B, -1)[idx].to("cuda", dtype), meta, y.shape))
+    keep = torch.zeros(S * B, dtype=torch.bool)
+    keep[idx] = True
+    keep = keep.view(S, B)
+    xr = qkv.to(dtype).double().requires_grad_()
+    reference(xr, ids, NQ, NKV, keep).backward(gout.to(dtype).double() * keep[..., None])
+    assert rel(x.grad.rows, xr.grad.reshape(S * B, -1)[idx]) < TOL[dtype]
+
+
+def test_spans_and_attention_replay_in_a_cuda_graph():
+    """Spans built inside the capture from a static ids buffer follow new ids on replay (no host sync)."""
+    _, _, ids = window(2)
+    qkv = torch.randn(S, B, (NQ + 2 * NKV) * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_tables(S, D, 10000.0, "cuda")
+    static = ids.cuda()
+    gout = torch.randn(S, B, NQ * D, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        qkv.grad = None
+        y = attention(qkv, NQ, NKV, cos, sin, docs=DocSpans.from_ids(static, EOD))
+        y.backward(gout)
+        return y.detach(), qkv.grad
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    qkv.grad = None
+    with torch.cuda.graph(graph):
+        y_static, g_static = run()
+    other = ids.clone()
+    other[[5, 77, 500], 1] = EOD  # new documents in the sequence that had none
+    static.copy_(other.cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    y_eager, g_eager = run()
+    assert torch.equal(y_static, y_eager) and torch.equal(g_static, g_eager)
+
+
+@pytest.mark.parametrize("mode", ["dense", "collider"])
+@pytest.mark.usefixtures("one_rank")
+def test_captured_step_equals_eager(mode: str) -> None:
+    """train.cuda_graphs with document attention: the spans are rebuilt from the static ids on every replay, so the
+    captured step trains like the eager one (and unlike the step without documents)."""
+    from test_document_attention import packed_documents
+    from test_gpu_cudagraph import _losses
+
+    ov = ["data.prefix=packed-documents", "data.document_attention=true", "train.micro_batch_size=2"]
+    if mode == "collider":
+        ov += ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
+    with packed_documents():
+        eager_l, eager_g, used = _losses(ov + ["train.cuda_graphs=false"])
+        assert not used
+        graph_l, graph_g, used = _losses(ov + ["train.cuda_graphs=true"])
+        assert used, "the step with document attention was not captured"
+        plain_l, plain_g, _ = _losses(ov + ["train.cuda_graphs=false", "data.document_attention=false"])
+    assert graph_l[0] == pytest.approx(eager_l[0], rel=1e-6)
+    for a, b in zip(graph_l + graph_g, eager_l + eager_g):
+        assert a == pytest.approx(b, rel=2e-3), (graph_l, eager_l, graph_g, eager_g)
+    moved = max(abs(a - b) / abs(b) for a, b in zip(plain_l + plain_g, eager_l + eager_g))
+    assert moved > 1e-4, "the documents changed nothing"
