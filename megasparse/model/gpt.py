@@ -66,9 +66,13 @@ class Attention(nn.Module):
             self.qkv_bias = nn.Parameter(torch.zeros((self.nq + 2 * self.nkv) * d, device=device))
             self.qkv_bias.tp_spec = (0, parts)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None, layer: int = 0) -> torch.Tensor:
+        """``kv``: ChunkFlow's ``chunkflow.state.ChunkKV`` (a chunk of a longer sequence: the earlier chunks' keys
+        and values join, at ``layer``'s store)."""
         qkv = self.qkv(x)
         bias = None if self.qkv_bias is None else self.qkv_bias.to(qkv.dtype)
+        if kv is not None:
+            return self.proj(kv.attend(layer, qkv, self.nq, self.nkv, cos, sin, bias))
         return self.proj(attention(qkv, self.nq, self.nkv, cos, sin, self.recompute, bias))
 
 
@@ -105,13 +109,13 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLUMLP(cfg, layer, seed, device, sp, dtype, pg)
         self.full_recompute = cfg.recompute == "full"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
         if self.full_recompute:  # only x is kept; the layer runs again in the backward (decision 0012)
-            return recompute.full(self._forward, x, cos, sin)
-        return self._forward(x, cos, sin)
+            return recompute.full(self._forward, x, cos, sin)  # (ChunkFlow's kv: rejected by its config)
+        return self._forward(x, cos, sin, kv)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, self.layer)
         return x + self.mlp(self.mlp_norm(x))
 
     def ffn_linears(self) -> dict[str, nn.Module]:
@@ -218,17 +222,18 @@ class GPTStage(nn.Module):
         return self.rope_cos, self.rope_sin
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: KeepHolder | None = None
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, keep: KeepHolder | None = None, kv=None
     ) -> torch.Tensor:
         """First stage: x is token ids [s, b] (the embedded input under embedding_over_pp).
 
-        Last stage returns per-token loss [s·b]; others hidden."""
+        Last stage returns per-token loss [s·b]; others hidden. ``kv``: ChunkFlow's chunk of a longer sequence
+        (``chunkflow.state.ChunkKV``): positions start at ``kv.offset``, attention sees the earlier chunks."""
         full = x.shape[0] * (self.layout.tp if self.sp and not (self.first and not self.embedding_pp) else 1)
-        cos, sin = self.rope(full)
+        cos, sin = self.rope(full + (0 if kv is None else kv.offset))
         if self.first and not self.embedding_pp:
             x = self.embedding(x)
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin) if kv is None else block(x, cos, sin, kv)
         if not self.last:
             return x
         x = self.final_norm(x)

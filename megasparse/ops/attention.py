@@ -66,37 +66,38 @@ def _group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.unflatten(1, (heads, t.shape[1] // heads)).sum(2)
 
 
-def _flash_fwd(q, k, v, scale):
-    """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward); k, v may have fewer (GQA) heads."""
+def _flash_fwd(q, k, v, scale, causal: bool = True):
+    """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward); k, v may have fewer (GQA) heads.
+    ``causal=False``: every query sees every key (ChunkFlow's earlier chunks, ``ops/prefix_attention.py``)."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"]:
         # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007); it takes GQA's key/value
         # heads as they are (no repeated copies; fwd+bwd 2.84 -> 2.53 ms at b=4, 32/4 heads, decision 0010)
         try:
-            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
             return r[0], r[1].view(r[1].shape[:3]), ("cudnn", r[6], r[7])
         except RuntimeError as e:
             _cudnn_off(e)
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return r[0], r[1], ("flash", r[6], r[7])
     if q.is_cuda:  # fp32 on GPU: efficient-attention path
-        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True, scale=scale)
+        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
         return r[0], r[1], ("efficient", r[2], r[3])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, None
 
 
-def _flash_bwd(g, q, k, v, out, lse, rng, scale):
+def _flash_bwd(g, q, k, v, out, lse, rng, scale, causal: bool = True):
     """dq, dk, dv of causal attention on whatever rows are given (all, or the kept ones with their lse rows);
-    dk, dv come back with k's and v's (GQA) head count."""
+    dk, dv come back with k's and v's (GQA) head count. ``causal=False``: see ``_flash_fwd``."""
     s_q, s_k = q.shape[2], k.shape[2]
     if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"]:
         if g.stride() != out.stride():  # cuDNN wants dO laid out like O
             g = torch.empty_like(out).copy_(g)
         try:
             return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], None, None, None, s_q, s_k, 0.0, True, scale=scale
+                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], None, None, None, s_q, s_k, 0.0, causal, scale=scale
             )[:3]
         except RuntimeError as e:  # flash's backward takes cuDNN's out and lse as they are
             _cudnn_off(e)
@@ -104,15 +105,15 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale):
     k, v = _expand(k, heads), _expand(v, heads)
     if rng is not None and rng[0] in ("flash", "cudnn"):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, True, rng[1], rng[2], scale=scale
+            g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, causal, rng[1], rng[2], scale=scale
         )
     elif rng is not None:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, None, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], True, scale=scale
+            g, q, k, v, None, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], causal, scale=scale
         )[:3]
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, True, scale=scale
+            g, q, k, v, out, lse, 0.0, causal, scale=scale
         )
     return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
 
@@ -130,14 +131,14 @@ def _rows_at(t: torch.Tensor, flat: torch.Tensor, b: int, m: int) -> torch.Tenso
     return rows.index_select(0, flat).view(b, m, h, d).permute(0, 2, 1, 3)
 
 
-def _rotated(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor):
+def _rotated(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0):
     """(q, k, v) [b, heads, s, d] of the QKV rows: q and k rotated into one [s, b, heads, d] buffer like qkv, v a
-    view of qkv."""
+    view of qkv. ``offset``: the position of the first row (ChunkFlow's later chunks of a sequence)."""
     s, b, _ = qkv.shape
     d = qkv.shape[-1] // (nq + 2 * nkv)
     heads = qkv.view(s, b, nq + 2 * nkv, d)
     qk = qkv.new_empty(s, b, nq + nkv, d)
-    positions = torch.arange(s, device=qkv.device)
+    positions = torch.arange(offset, offset + s, device=qkv.device)
     rope_into(qk.permute(1, 2, 0, 3), heads[:, :, : nq + nkv].permute(1, 2, 0, 3), cos, sin, positions)
     q = qk[:, :, :nq].permute(1, 2, 0, 3)  # [b, nq, s, d]
     k = qk[:, :, nq:].permute(1, 2, 0, 3)

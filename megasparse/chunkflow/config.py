@@ -1,0 +1,70 @@
+"""The ``chunkflow`` config section: training on whole variable-length sequences cut into equal chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megasparse.configbase import ConfigError
+
+
+@dataclass
+class ChunkFlowConfig:
+    """ChunkFlow (issue 30, decisions 1220-1222): each step's whole sequences are packed (short ones) or split
+    (long ones) into chunks of ``model.seq_length`` tokens, which run as the step's micro-batches; a long
+    sequence's chunks run in order, each attending to the earlier chunks' keys/values, and peak activation memory
+    follows ``max_chunks_in_memory`` chunks instead of the longest sequence. The chunk size *is*
+    ``model.seq_length``: every static shape of the trainer (RoPE tables, transfers, loss sizes) derives from it.
+    ``train.global_batch_size`` then counts sequences per step and ``train.micro_batch_size`` must be 1."""
+
+    enabled: bool = False
+    max_chunks_in_memory: int = 2
+    """K: how many chunks of one long sequence keep their activations for the backward. Earlier chunks run forward
+    without them (only their keys/values are kept) and run forward again just before their backward: K = 1 costs
+    about one extra forward per chunk beyond the last; K >= the chunks of the longest sequence costs none."""
+    max_sequence_length: int = 32768
+    """The longest sequence (tokens, end-of-document included) a step may hold; a longer one stops the run with one
+    line. The stand-in synthetic data draws its long tail up to this length."""
+
+    def validate(self, cfg, dp: int) -> None:
+        """Against the whole config (``cfg``: ``config.Config``), before any process group exists."""
+        if not self.enabled:
+            return
+        if self.max_chunks_in_memory < 1:
+            raise ConfigError(f"chunkflow.max_chunks_in_memory={self.max_chunks_in_memory} must be >= 1")
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        if self.max_sequence_length < 2:
+            raise ConfigError(f"chunkflow.max_sequence_length={self.max_sequence_length} must be >= 2")
+        supported = int(m.rope_original_max_positions * m.rope_scaling_factor)
+        if m.rope_scaling == "llama3" and self.max_sequence_length > supported:
+            raise ConfigError(
+                f"chunkflow.max_sequence_length={self.max_sequence_length} exceeds the {supported} positions the "
+                "model's RoPE scaling supports (model.rope_original_max_positions x model.rope_scaling_factor)"
+            )
+        if p.sequence_parallel and m.seq_length % p.tp:
+            raise ConfigError(
+                f"chunkflow: the chunk size model.seq_length={m.seq_length} must be a multiple of parallel.tp={p.tp} "
+                "under sequence parallelism"
+            )
+        if t.global_batch_size < dp:
+            raise ConfigError(f"chunkflow: train.global_batch_size={t.global_batch_size} sequences for dp={dp} ranks")
+        if t.micro_batch_size != 1:
+            raise ConfigError("chunkflow.enabled=true: a chunk is the micro-batch; set train.micro_batch_size=1")
+        blocked = {
+            "parallel.pp > 1 (chunks through the pipeline are not built yet; use parallel.pp=1)": p.pp > 1,
+            "filter.mode (token filtering on chunks is not built yet; use filter.mode=off)": cfg.filter.mode != "off",
+            "model.recompute=full (ChunkFlow recomputes whole chunks itself; use none or selective)": m.recompute
+            == "full",
+            "train.cuda_graphs=true (chunks run eagerly; set train.cuda_graphs=false)": t.cuda_graphs
+            and _on_cuda(t.device),
+        }
+        for what, bad in blocked.items():
+            if bad:
+                raise ConfigError(f"chunkflow.enabled=true does not combine with {what}")
+
+
+def _on_cuda(device: str) -> bool:
+    if device != "auto":
+        return device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,87 @@
+"""The trainer's step under ``chunkflow.enabled``: this rank's chunks of the step's whole sequences.
+
+``ChunkFlowStep.batches(step)`` reads the step's sequences, plans the chunks (``plan.py``, the same on every rank)
+and returns this rank's groups; ``len()`` of them is the number of backward passes, which the DP buckets' overlap
+hooks count (``zero_grad(len(batches))``). Calling the step runs each group (``state.run_group``: a long sequence's
+chunks forward in order, backward in reverse) and returns the summed per-token loss and this rank's share of the
+step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
+is normalised by the step's real predictions, known on every rank from the plan: no collective.
+
+The order is group by group (all chunks of one sequence, then the next): at pp = 1 that is the whole schedule
+(decision 1222 says why it is not a ``step/schedule.py`` schedule yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megasparse.chunkflow.data import sequence_source
+from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
+from megasparse.chunkflow.state import ChunkKV, run_group
+from megasparse.ops.compact import KeepHolder
+
+__all__ = ["ChunkFlowStep", "RankChunks", "chunk_step"]
+
+
+@dataclass
+class RankChunks:
+    """One step's plan, this rank's groups and the step's sequences (what the step's call runs)."""
+
+    plan: StepPlan
+    groups: list[Group]
+    sequences: list[np.ndarray]
+
+    def __len__(self) -> int:
+        """Backward passes of this rank's step: one per chunk (a rerun chunk's forward is not one)."""
+        return sum(len(g.chunks) for g in self.groups)
+
+
+class ChunkFlowStep:
+    """``step.batches(step_no)`` then ``step(batches, True, step_no)`` -> (summed per-token loss, real tokens)."""
+
+    def __init__(self, model, source, *, chunk_size: int, per_step: int, keep: int, dp: int, dp_rank: int,
+                 device: torch.device, pack: bool = False, max_length: int | None = None):  # fmt: skip
+        """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
+        ``pack``: several short sequences per chunk (needs document attention in the model)."""
+        self.stage = model.chunks[0]
+        assert self.stage.first and self.stage.last, "ChunkFlow runs at pp = 1"
+        self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
+        self.dp, self.dp_rank, self.device, self.pack, self.max_length = dp, dp_rank, device, pack, max_length
+
+    def batches(self, step: int) -> RankChunks:
+        seqs = [np.asarray(t) for _, t in self.source.step_sequences(step, self.per_step)]
+        plan = plan_step([len(t) for t in seqs], self.c, self.dp, self.pack, self.max_length)
+        return RankChunks(plan, plan.rank_groups(self.dp_rank), seqs)
+
+    def __call__(self, work: RankChunks, train: bool, step_no: int) -> tuple[torch.Tensor, float]:
+        assert train, "ChunkFlow steps train; evaluation runs the fixed-length path"
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        normaliser = max(work.plan.real_tokens, 1)
+        for group in work.groups:
+            arrays = [chunk_arrays(c, work.sequences, self.c) for c in group.chunks]
+            ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
+            targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
+
+            def forward(j: int, kv: ChunkKV, first: bool, ids=ids, targets=targets) -> torch.Tensor:
+                per_token = self.stage(ids[j], targets[j], KeepHolder(), kv=kv)  # 0 at padding (ignored labels)
+                if first:
+                    loss_sum.add_(per_token.detach().double().sum())
+                return per_token.sum() / normaliser
+
+            run_group(forward, [c.offset for c in group.chunks], self.c, self.keep)
+        return loss_sum, work.plan.real_tokens / self.dp
+
+
+def chunk_step(cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.device) -> ChunkFlowStep | None:
+    """The run's ChunkFlow step, or None when ``chunkflow.enabled`` is off. Short sequences take a chunk each until
+    document attention keeps packed documents apart (decision 1221)."""
+    cf = cfg.chunkflow
+    if not cf.enabled:
+        return None
+    return ChunkFlowStep(
+        model, sequence_source(cfg, vocab), chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
+        keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, max_length=cf.max_sequence_length,
+    )  # fmt: skip
