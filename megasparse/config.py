@@ -154,7 +154,7 @@ class Config:
             raise ConfigError(f"model.vocab_size={m.vocab_size} must be positive (or null: tokenizer's)")
         if t.steps < 1 or t.micro_batch_size < 1:
             raise ConfigError("train.steps and train.micro_batch_size must be >= 1")
-        if t.global_batch_size % (t.micro_batch_size * dp):
+        if t.global_batch_size % (t.micro_batch_size * dp) and not self.chunkflow.enabled:  # chunkflow deals tokens
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} is not divisible by "
                 f"train.micro_batch_size={t.micro_batch_size} x dp={dp}; pick a multiple of "

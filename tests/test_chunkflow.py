@@ -18,7 +18,7 @@ from megasparse.ops.attention import rope_tables
 from megasparse.ops.prefix_attention import prefix_attention, prefix_attention_reference
 
 C = 16  # tiny()'s model.seq_length: the chunk size
-LENGTHS = [3 * C + 10, 5, 2 * C + 1, C + 1, 11, 2]
+LENGTHS = [3 * C + 10, 5, 2 * C + 1, C + 1, 11, 2, 3]
 """Tokens of the step's sequences: 4 chunks (last padded), 5 tokens, 2 whole chunks, exactly one chunk, ..."""
 
 
@@ -54,7 +54,7 @@ def test_plan_covers_every_real_token_once(pack: bool) -> None:
     assert plan.real_tokens == sum(n - 1 for n in LENGTHS) == len(want)
     assert plan.slots == slots and plan.num_chunks * C == slots  # padding counted: every slot that runs
     assert sum(plan.loads) == plan.real_tokens
-    assert (plan.num_chunks < 4 + 2 + 4) if pack else (plan.num_chunks == 4 + 2 + 4)  # 4 shorts: one chunk each
+    assert (plan.num_chunks < 4 + 2 + 5) if pack else (plan.num_chunks == 4 + 2 + 5)  # 5 shorts: one chunk each
 
 
 def test_plan_separates_packed_documents_and_pads() -> None:
@@ -200,7 +200,7 @@ def _chunked(tr, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
         for p, at in zip(c.pieces, starts):
             for i in range(p.count - 1):
                 per_tok[(p.seq, p.start + i)] = out[at + i]
-    return per_tok, loss_sum, tokens
+    return per_tok, loss_sum, tokens, work
 
 
 def _grads(tr) -> dict[str, torch.Tensor]:
@@ -222,16 +222,13 @@ def _compare(overrides: list[str], keeps: list[int]) -> dict:
     seqs = _sequences()
     ref_tr = Trainer(_config(overrides))
     per_seq, ref_mean = _whole_sequences(ref_tr, seqs)
-    out = {"ref_grads": _grads(ref_tr), "ref_mean": ref_mean.item(), "runs": {}}
+    out = {"ref_grads": _grads(ref_tr), "ref_mean": ref_mean.item(), "runs": {}, "chunks": 0}
     for k in keeps:
         tr = Trainer(_config(overrides + [f"chunkflow.max_chunks_in_memory={k}"]))
-        per_tok, loss_sum, tokens = _chunked(tr, seqs)
-        worst = max(
-            abs(per_tok[(s, i)].item() - per_seq[s][i].item()) / abs(per_seq[s][i].item())
-            for s in range(len(seqs))
-            for i in range(len(seqs[s]) - 1)
-        )
-        assert len(per_tok) == sum(len(s) - 1 for s in seqs)
+        per_tok, loss_sum, tokens, work = _chunked(tr, seqs)
+        worst = max(abs(v.item() - per_seq[s][i].item()) / abs(per_seq[s][i].item()) for (s, i), v in per_tok.items())
+        assert len(per_tok) == work.plan.loads[tr.lay.dp_rank]  # every real token of this rank's chunks
+        out["chunks"] = len(work)
         out["runs"][k] = {"per_token_rel": worst, "grads": _grads(tr), "sum": loss_sum.item(), "tokens": tokens}
     # one optimizer step: the trainer's own step on chunks against the same step on whole sequences
     real = sum(len(s) - 1 for s in seqs)
@@ -283,8 +280,10 @@ def test_chunks_train_like_whole_sequences_parallel(world: int, overrides: list[
     if world == 2 and not overrides:  # dp 2: each rank's chunked gradient, reduced, against one whole-sequence run
         (single,) = run_distributed(_compare, 1, [], [1])
         res = run_distributed(_compare, 2, [], [1])
+        assert res[0]["chunks"] != res[1]["chunks"]  # 5 and 6 backward passes: each rank's hooks count its own
         for r in res:
-            for _k, run in r["runs"].items():
+            for run in r["runs"].values():
+                assert run["per_token_rel"] < 1e-5
                 worst = max(_rel(run["grads"][n], single["ref_grads"][n]) for n in single["ref_grads"])
                 assert worst < 1e-5, worst
             assert max(_rel(r["weights"][1][n], single["weights"][0][n]) for n in single["weights"][0]) < 1e-5
