@@ -129,6 +129,7 @@ class Trainer:
         self.parts.pre_optimizer_step(self.dp_opt.optimizer)
         self.dp_opt.step(wait=self.parts.reads_weights_after_step)  # 2:4 / fp8 hooks read whole weights
         extra = self.parts.post_optimizer_step(self.step + 1)  # masks refreshed, fp8 copies remade
+        extra.update(self.chunkflow.last if self.chunkflow else {})  # real tokens and chunk fill of the step
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.step += 1

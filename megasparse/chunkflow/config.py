@@ -68,3 +68,13 @@ def _on_cuda(device: str) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def chunkflow_line(cfg) -> str:
+    """The start banner's line: what a step holds and what K keeps."""
+    cf, t = cfg.chunkflow, cfg.train
+    return (
+        f"on: {t.global_batch_size} whole sequences/step (up to {cf.max_sequence_length} tokens) in chunks of "
+        f"{cfg.model.seq_length}, activations of K={cf.max_chunks_in_memory} chunks per sequence kept, short "
+        "sequences one per chunk (the per-step line counts real tokens)"
+    )

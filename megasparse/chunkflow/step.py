@@ -50,6 +50,8 @@ class ChunkFlowStep:
         assert self.stage.first and self.stage.last, "ChunkFlow runs at pp = 1"
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.pack, self.max_length = dp, dp_rank, device, pack, max_length
+        self.last: dict = {}
+        """The last step's metrics: real predictions, chunks and their fill (real / label slots) over all ranks."""
 
     def batches(self, step: int) -> RankChunks:
         seqs = [np.asarray(t) for _, t in self.source.step_sequences(step, self.per_step)]
@@ -72,6 +74,8 @@ class ChunkFlowStep:
                 return per_token.sum() / normaliser
 
             run_group(forward, [c.offset for c in group.chunks], self.c, self.keep)
+        plan = work.plan
+        self.last = dict(real_tokens=plan.real_tokens, chunks=plan.num_chunks, chunk_fill=plan.real_tokens / plan.slots)
         return loss_sum, work.plan.real_tokens / self.dp
 
 
