@@ -160,10 +160,11 @@ def _whole_sequences(tr, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
         ids[: len(s) - 1, 0] = torch.from_numpy(s[:-1])
         targets = torch.full((n,), IGNORE, dtype=torch.long)
         targets[: len(s) - 1] = torch.from_numpy(s[1:])
-        out = stage(ids, targets, KeepHolder())
+        out = stage(ids.to(tr.device), targets.to(tr.device), KeepHolder()).float().cpu()
         (out.sum() / real).backward()
         per_seq.append(out.detach()[: len(s) - 1])
         total += out.detach().double().sum()
+
     tr.dp_opt.reduce()
     return per_seq, total / real
 
@@ -180,7 +181,7 @@ def _chunked(tr, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
         def forward(self, ids, targets, keep, kv):
             out = stage(ids, targets, keep, kv=kv)
             if not kv.rerun:  # first forwards run group by group, chunk by chunk
-                got.append(out.detach())
+                got.append(out.detach().float().cpu())
             return out
 
     work = cf.batches(0)
@@ -250,15 +251,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def _check(res: dict, dp: int = 1) -> None:
+def _check(res: dict, dp: int = 1, tol: float = 1e-5) -> None:
     real = sum(n - 1 for n in LENGTHS)
     for k, run in res["runs"].items():
-        assert run["per_token_rel"] < 1e-5, (k, run["per_token_rel"])
+        assert run["per_token_rel"] < tol, (k, run["per_token_rel"])
         worst = max(_rel(run["grads"][n], res["ref_grads"][n]) for n in res["ref_grads"])
-        assert worst < 1e-5, (k, worst)
+        assert worst < tol, (k, worst)
         assert run["tokens"] == real / dp
     ref_w, cf_w = res["weights"]
-    assert max(_rel(cf_w[n], ref_w[n]) for n in ref_w) < 1e-5
+    assert max(_rel(cf_w[n], ref_w[n]) for n in ref_w) < tol
 
 
 def test_chunks_train_like_whole_sequences_tp1() -> None:
