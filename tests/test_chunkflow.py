@@ -178,9 +178,9 @@ def _chunked(tr, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
     class Recorder(torch.nn.Module):
         first = last = True
 
-        def forward(self, ids, targets, keep, kv):
-            out = stage(ids, targets, keep, kv=kv)
-            if not kv.rerun:  # first forwards run group by group, chunk by chunk
+        def forward(self, ids, targets, keep, kv=None, docs=None):
+            out = stage(ids, targets, keep, **({"kv": kv} if docs is None else {"docs": docs}))
+            if kv is None or not kv.rerun:  # first forwards run group by group, chunk by chunk
                 got.append(out.detach().float().cpu())
             return out
 
@@ -245,6 +245,34 @@ def _compare(overrides: list[str], keeps: list[int]) -> dict:
 
     out["weights"] = (full_state_dict(ref_tr.model), full_state_dict(tr.model))
     return out
+
+
+def _compare_packed() -> tuple[float, float, int]:
+    """Short sequences packed several per chunk (document attention keeps them apart), long ones split."""
+    from megasparse.chunkflow.step import ChunkFlowStep
+    from megasparse.train import Trainer
+
+    seqs = _sequences()
+    ref_tr = Trainer(_config([]))
+    per_seq, _ = _whole_sequences(ref_tr, seqs)
+    ref = _grads(ref_tr)
+    tr = Trainer(_config([]))
+    tr.chunkflow = ChunkFlowStep(
+        tr.model, _Fixed(seqs), chunk_size=C, per_step=len(seqs), keep=1, dp=1, dp_rank=0, device=tr.device, eod=0
+    )
+    per_tok, _, _, work = _chunked(tr, seqs)
+    assert len(per_tok) == sum(len(s) - 1 for s in seqs)
+    tok = max(abs(v.item() - per_seq[s][i].item()) / abs(per_seq[s][i].item()) for (s, i), v in per_tok.items())
+    grads = _grads(tr)
+    return tok, max(_rel(grads[n], ref[n]) for n in ref), work.plan.num_chunks
+
+
+def test_packed_chunks_with_document_attention_train_like_whole_sequences() -> None:
+    pytest.importorskip("megasparse.ops.documents", reason="document attention (issue 30 item 1) not in this tree")
+    (res,) = run_distributed(_compare_packed, 1)
+    tok, grad, chunks = res
+    assert chunks < 4 + 2 + 5  # the five short sequences share chunks
+    assert tok < 1e-5 and grad < 1e-5, res
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -15,6 +15,8 @@ class LongTailSequences:
     ``max_length / 40`` tokens, one in twenty drawn log-uniformly from ``max_length / 8`` to ``max_length``.
     Sequence ``g`` depends only on (seed, g), so a step reads the same on every rank and after a resume."""
 
+    eod_id = 0
+
     def __init__(self, vocab: int, max_length: int, seed: int = 1234, min_length: int = 2):
         self.vocab, self.max_length, self.seed, self.min_length = vocab, max_length, seed, min_length
 

@@ -43,15 +43,24 @@ class ChunkFlowStep:
     """``step.batches(step_no)`` then ``step(batches, True, step_no)`` -> (summed per-token loss, real tokens)."""
 
     def __init__(self, model, source, *, chunk_size: int, per_step: int, keep: int, dp: int, dp_rank: int,
-                 device: torch.device, pack: bool = False, max_length: int | None = None):  # fmt: skip
+                 device: torch.device, eod: int | None = None, max_length: int | None = None):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
-        ``pack``: several short sequences per chunk (needs document attention in the model)."""
+        ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
+        ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
+        per chunk."""
         self.stage = model.chunks[0]
         assert self.stage.first and self.stage.last, "ChunkFlow runs at pp = 1"
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
-        self.dp, self.dp_rank, self.device, self.pack, self.max_length = dp, dp_rank, device, pack, max_length
+        self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
+        self.pack = eod is not None
         self.last: dict = {}
         """The last step's metrics: real predictions, chunks and their fill (real / label slots) over all ranks."""
+
+    def _documents(self, ids: torch.Tensor) -> dict:
+        """A packed chunk's documents for the model (document attention: decision 1200's ``DocSpans``)."""
+        from megasparse.ops.documents import DocSpans  # issue 30 item 1 (document attention)
+
+        return {"docs": DocSpans.from_ids(ids, self.eod)}
 
     def batches(self, step: int) -> RankChunks:
         seqs = [np.asarray(t) for _, t in self.source.step_sequences(step, self.per_step)]
@@ -67,8 +76,11 @@ class ChunkFlowStep:
             ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
             targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
 
-            def forward(j: int, kv: ChunkKV, first: bool, ids=ids, targets=targets) -> torch.Tensor:
-                per_token = self.stage(ids[j], targets[j], KeepHolder(), kv=kv)  # 0 at padding (ignored labels)
+            packed = len(group.chunks) == 1 and self.pack  # whole documents from position 0: no state to carry
+
+            def forward(j: int, kv: ChunkKV, first: bool, ids=ids, targets=targets, packed=packed) -> torch.Tensor:
+                ctx = self._documents(ids[j]) if packed else {"kv": kv}
+                per_token = self.stage(ids[j], targets[j], KeepHolder(), **ctx)  # 0 at padding (ignored labels)
                 if first:
                     loss_sum.add_(per_token.detach().double().sum())
                 return per_token.sum() / normaliser
@@ -80,12 +92,15 @@ class ChunkFlowStep:
 
 
 def chunk_step(cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.device) -> ChunkFlowStep | None:
-    """The run's ChunkFlow step, or None when ``chunkflow.enabled`` is off. Short sequences take a chunk each until
-    document attention keeps packed documents apart (decision 1221)."""
+    """The run's ChunkFlow step, or None when ``chunkflow.enabled`` is off. Short sequences are packed several per
+    chunk under ``data.document_attention``, else take a chunk each (decision 1221)."""
     cf = cfg.chunkflow
     if not cf.enabled:
         return None
+    source = sequence_source(cfg, vocab)
+    eod = source.eod_id if getattr(cfg.data, "document_attention", False) else None
     return ChunkFlowStep(
-        model, sequence_source(cfg, vocab), chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
-        keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, max_length=cf.max_sequence_length,
+        model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
+        keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
+        max_length=cf.max_sequence_length,
     )  # fmt: skip
