@@ -368,8 +368,12 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
         (["filter.mode=collider"], "filter.mode"),
         (["model.recompute=full"], "model.recompute=full"),
         (["chunkflow.max_sequence_length=1"], "max_sequence_length=1 must be >= 2"),
-        (["model.rope_scaling=llama3", "model.rope_original_max_positions=64"], "RoPE scaling supports"),
-        (["train.global_batch_size=1", "parallel.tp=1"], None),
+        (
+            ["model.rope_scaling=llama3", "model.rope_original_max_positions=64", "chunkflow.max_sequence_length=1024"],
+            "the 512 positions",
+        ),
+        (["chunkflow.chunk_size=32"], "differs from model.seq_length=16"),
+        (["train.global_batch_size=1", "chunkflow.chunk_size=16"], None),
     ],
 )
 def test_bad_chunkflow_configs_are_one_line(overrides: list[str], match: str | None) -> None:

@@ -17,13 +17,17 @@ class ChunkFlowConfig:
     ``train.global_batch_size`` then counts sequences per step and ``train.micro_batch_size`` must be 1."""
 
     enabled: bool = False
+    chunk_size: int | None = None
+    """Tokens per chunk: None means ``model.seq_length``; given, it must equal ``model.seq_length`` (a chunk is the
+    micro-batch window every static shape derives from, so the two cannot differ)."""
     max_chunks_in_memory: int = 2
     """K: how many chunks of one long sequence keep their activations for the backward. Earlier chunks run forward
     without them (only their keys/values are kept) and run forward again just before their backward: K = 1 costs
     about one extra forward per chunk beyond the last; K >= the chunks of the longest sequence costs none."""
-    max_sequence_length: int = 32768
-    """The longest sequence (tokens, end-of-document included) a step may hold; a longer one stops the run with one
-    line. The stand-in synthetic data draws its long tail up to this length."""
+    max_sequence_length: int | None = None
+    """The longest sequence (tokens, end-of-document included): a corpus's longer documents are truncated to it
+    (``data/sequences.py`` counts them); None: no limit, or the positions the model's RoPE scaling supports. The
+    stand-in synthetic data draws its long tail up to it (None: 64 chunks)."""
 
     def validate(self, cfg, dp: int) -> None:
         """Against the whole config (``cfg``: ``config.Config``), before any process group exists."""
@@ -32,12 +36,18 @@ class ChunkFlowConfig:
         if self.max_chunks_in_memory < 1:
             raise ConfigError(f"chunkflow.max_chunks_in_memory={self.max_chunks_in_memory} must be >= 1")
         m, p, t = cfg.model, cfg.parallel, cfg.train
-        if self.max_sequence_length < 2:
-            raise ConfigError(f"chunkflow.max_sequence_length={self.max_sequence_length} must be >= 2")
-        supported = int(m.rope_original_max_positions * m.rope_scaling_factor)
-        if m.rope_scaling == "llama3" and self.max_sequence_length > supported:
+        if self.chunk_size is not None and self.chunk_size != m.seq_length:
             raise ConfigError(
-                f"chunkflow.max_sequence_length={self.max_sequence_length} exceeds the {supported} positions the "
+                f"chunkflow.chunk_size={self.chunk_size} differs from model.seq_length={m.seq_length}: a chunk is the "
+                "micro-batch window; set model.seq_length to the chunk size (or leave chunkflow.chunk_size unset)"
+            )
+        limit = self.max_sequence_length
+        if limit is not None and limit < 2:
+            raise ConfigError(f"chunkflow.max_sequence_length={limit} must be >= 2")
+        supported = int(m.rope_original_max_positions * m.rope_scaling_factor)
+        if m.rope_scaling == "llama3" and limit is not None and limit > supported:
+            raise ConfigError(
+                f"chunkflow.max_sequence_length={limit} exceeds the {supported} positions the "
                 "model's RoPE scaling supports (model.rope_original_max_positions x model.rope_scaling_factor)"
             )
         if p.sequence_parallel and m.seq_length % p.tp:
@@ -70,11 +80,21 @@ def _on_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
+def sequence_limit(cfg) -> int | None:
+    """The longest sequence a run trains: ``chunkflow.max_sequence_length``, else what RoPE scaling supports."""
+    m = cfg.model
+    if cfg.chunkflow.max_sequence_length is not None or m.rope_scaling != "llama3":
+        return cfg.chunkflow.max_sequence_length
+    return int(m.rope_original_max_positions * m.rope_scaling_factor)
+
+
 def chunkflow_line(cfg) -> str:
-    """The start banner's line: what a step holds and what K keeps."""
+    """The start banner's line: what a step holds, what K keeps and whether short sequences share chunks."""
     cf, t = cfg.chunkflow, cfg.train
+    limit = sequence_limit(cfg)
+    packed = "packed (document attention)" if getattr(cfg.data, "document_attention", False) else "one per chunk"
     return (
-        f"on: {t.global_batch_size} whole sequences/step (up to {cf.max_sequence_length} tokens) in chunks of "
-        f"{cfg.model.seq_length}, activations of K={cf.max_chunks_in_memory} chunks per sequence kept, short "
-        "sequences one per chunk (the per-step line counts real tokens)"
+        f"on: {t.global_batch_size} whole sequences/step{'' if limit is None else f' (up to {limit} tokens)'} in "
+        f"chunks of {cfg.model.seq_length}, activations of K={cf.max_chunks_in_memory} chunks per sequence kept, "
+        f"short sequences {packed}"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megasparse.chunkflow.config import sequence_limit
 from megasparse.configbase import ConfigError
 
 __all__ = ["LongTailSequences", "sequence_source"]
@@ -44,14 +45,14 @@ class LongTailSequences:
 def sequence_source(cfg, vocab: int):
     """The training sequences: the stand-in for synthetic data, else the corpus's documents whole (truncated to
     ``chunkflow.max_sequence_length``, as ``data/sequences.py`` counts and reports)."""
-    cf = cfg.chunkflow
+    limit = sequence_limit(cfg)
     if cfg.data.prefix == "synthetic":
-        return LongTailSequences(vocab, cf.max_sequence_length, cfg.data.seed)
+        return LongTailSequences(vocab, limit or 64 * cfg.model.seq_length, cfg.data.seed)
     try:
         from megasparse.data.sequences import build_sequence_datasets
     except ImportError as e:  # the variable-length data (issue 30, item 2) is not in this tree yet
         raise ConfigError(
             "chunkflow.enabled=true on a corpus needs megasparse/data/sequences.py; use data.prefix=synthetic"
         ) from e
-    train, _, _ = build_sequence_datasets(cfg.data, max_length=cf.max_sequence_length, vocab_size=vocab)
+    train, _, _ = build_sequence_datasets(cfg.data, max_length=limit, vocab_size=vocab)
     return train

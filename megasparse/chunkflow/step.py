@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megasparse.chunkflow.config import sequence_limit
 from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.state import ChunkKV, run_group
@@ -102,5 +103,5 @@ def chunk_step(cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.devi
     return ChunkFlowStep(
         model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
-        max_length=cf.max_sequence_length,
+        max_length=sequence_limit(cfg),
     )  # fmt: skip
