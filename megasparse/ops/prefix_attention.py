@@ -56,7 +56,7 @@ class PrefixAttentionFn(torch.autograd.Function):
         if bias is not None:
             qkv = qkv + bias
         s, b, _ = qkv.shape
-        q, k, v = _rotated(qkv, nq, nkv, cos, sin, offset)
+        q, k, v = _rotated(qkv, nq, nkv, cos, sin, offset=offset)
         d = q.shape[-1]
         scale = d**-0.5
         out, lse, rng = _flash_fwd(q, k, v, scale)
