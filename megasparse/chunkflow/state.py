@@ -27,7 +27,8 @@ class KVStore:
     """Every layer's rotated keys/values of one group's chunks, and their gradients from later chunks.
 
     Per layer one buffer [b, nkv, n·C, d] each for k, v, dk, dv (allocated at the first chunk's write): chunk j's
-    prefix is a view of its first j·C positions, so nothing is copied per chunk."""
+    prefix is a view of its first j·C positions, so nothing is copied per chunk. The gradients accumulate in fp32
+    (bf16 k/v receive a sum over up to n − 1 later chunks)."""
 
     def __init__(self, num_chunks: int, chunk_size: int):
         self.n, self.c = num_chunks, chunk_size
@@ -41,9 +42,10 @@ class KVStore:
             shape = (k.shape[0], k.shape[1], self.n * self.c, k.shape[3])
             for store in (self.k, self.v):
                 store[layer] = k.new_empty(shape)
+            acc = torch.promote_types(k.dtype, torch.float32)  # summed over every later chunk
             if self.n > 1:
                 for store in (self.dk, self.dv):
-                    store[layer] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+                    store[layer] = torch.zeros(shape, dtype=acc, device=k.device)
         lo = j * self.c
         self.k[layer][:, :, lo : lo + self.c].copy_(k)
         self.v[layer][:, :, lo : lo + self.c].copy_(v)
@@ -123,6 +125,6 @@ def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int) 
             g = store.grads_of(layer, j)
             if g is not None:
                 outs += [k, v]
-                grads += list(g)
+                grads += [g[0].to(k.dtype), g[1].to(v.dtype)]
         torch.autograd.backward(outs, grads)
         del loss, kv, outs, grads  # this chunk's graph goes now: memory follows K, not the group's length
