@@ -290,35 +290,66 @@ def _check(res: dict, dp: int = 1, tol: float = 1e-5) -> None:
     assert max(_rel(cf_w[n], ref_w[n]) for n in ref_w) < tol
 
 
-def test_chunks_train_like_whole_sequences_tp1() -> None:
-    (res,) = run_distributed(_compare, 1, [], [1, 2, 4])
-    _check(res)
-    sums = {round(r["sum"], 9) for r in res["runs"].values()}
-    assert len(sums) == 1 and abs(sums.pop() / sum(n - 1 for n in LENGTHS) - res["ref_mean"]) < 1e-6
+@pytest.fixture(scope="module")
+def whole() -> dict:
+    """One process: whole-sequence gradients and step, and ChunkFlow's with K = 1, 2 and 4 (of 4 chunks)."""
+    return run_distributed(_compare, 1, [], [1, 2, 4])[0]
+
+
+def test_chunks_train_like_whole_sequences_tp1(whole: dict) -> None:
+    _check(whole)
+    sums = {round(r["sum"], 9) for r in whole["runs"].values()}
+    assert len(sums) == 1 and abs(sums.pop() / sum(n - 1 for n in LENGTHS) - whole["ref_mean"]) < 1e-6
+
+
+def test_chunks_train_like_whole_sequences_tp2_sp() -> None:
+    """Each TP rank's heads keep their own keys/values; the sequence-sharded activations gather for attention."""
+    for r in run_distributed(_compare, 2, ["parallel.tp=2", "parallel.sequence_parallel=true"], [1, 4]):
+        _check(r)
+
+
+def _against_whole(grads: dict, weights: dict, whole: dict) -> None:
+    assert max(_rel(grads[n], whole["ref_grads"][n]) for n in whole["ref_grads"]) < 1e-5
+    ref_w = whole["weights"][0]
+    assert max(_rel(weights[n], ref_w[n]) for n in ref_w) < 1e-5
+
+
+def test_chunks_train_like_whole_sequences_dp2(whole: dict) -> None:
+    """Ranks run different numbers of chunks (the plan deals whole groups) and the bucket hooks count each rank's
+    own backward passes; the reduced gradient and the step equal one process's on all sequences."""
+    res = run_distributed(_compare, 2, [], [1])
+    assert res[0]["chunks"] != res[1]["chunks"]  # 5 and 6 backward passes: each rank's hooks count its own
+    for r in res:
+        assert r["runs"][1]["per_token_rel"] < 1e-5
+        _against_whole(r["runs"][1]["grads"], r["weights"][1], whole)
+
+
+def _pipeline_step(overrides: list[str], keep: int) -> dict:
+    """ChunkFlow's gradients and one optimizer step through the pipeline (no whole-sequence reference here)."""
+    from megasparse.parallel.consolidate import full_state_dict
+    from megasparse.train import Trainer
+
+    tr = Trainer(_config(overrides + [f"chunkflow.max_chunks_in_memory={keep}"]))
+    tr.chunkflow.source = _Fixed(_sequences())
+    tr.compute_gradients()
+    grads = _grads(tr)
+    r = tr.train_step()
+    return {"grads": grads, "loss": r.loss, "weights": full_state_dict(tr.model), "real": r.extra["real_tokens"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "overrides"),
-    [(2, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (2, [])],
-    ids=["tp2_sp", "dp2"],
+    [(2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"])],
+    ids=["pp2", "tp2_pp2_sp"],
 )
-def test_chunks_train_like_whole_sequences_parallel(world: int, overrides: list[str]) -> None:
-    """tp 2 + SP: each TP rank's heads keep their own keys/values; dp 2: ranks run different numbers of chunks
-    (the plan deals whole groups) and the bucket hooks count each rank's own backward passes."""
-    if world == 2 and not overrides:  # dp 2: each rank's chunked gradient, reduced, against one whole-sequence run
-        (single,) = run_distributed(_compare, 1, [], [1])
-        res = run_distributed(_compare, 2, [], [1])
-        assert res[0]["chunks"] != res[1]["chunks"]  # 5 and 6 backward passes: each rank's hooks count its own
-        for r in res:
-            for run in r["runs"].values():
-                assert run["per_token_rel"] < 1e-5
-                worst = max(_rel(run["grads"][n], single["ref_grads"][n]) for n in single["ref_grads"])
-                assert worst < 1e-5, worst
-            assert max(_rel(r["weights"][1][n], single["weights"][0][n]) for n in single["weights"][0]) < 1e-5
-        return
-    for r in run_distributed(_compare, world, overrides, [1, 4]):
-        _check(r)
+def test_chunks_through_the_pipeline_train_like_whole_sequences(whole: dict, world: int, overrides: list[str]):
+    """Long sequences pass the stages chunk by chunk (forwards in order, backwards in reverse, the K-bound rerun on
+    each stage from its kept input); the single-chunk ones as 1F1B micro-batches."""
+    for r in run_distributed(_pipeline_step, world, overrides, 1):
+        assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-5
+        assert r["real"] == sum(n - 1 for n in LENGTHS)
+        _against_whole(r["grads"], r["weights"], whole)
 
 
 # -- memory follows K -------------------------------------------------------------------------------------------------
@@ -364,7 +395,8 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
     [
         (["chunkflow.max_chunks_in_memory=0"], "max_chunks_in_memory=0 must be >= 1"),
         (["train.micro_batch_size=2"], "set train.micro_batch_size=1"),
-        (["parallel.pp=2"], "parallel.pp > 1"),
+        (["parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=4"], "parallel.virtual_stages > 1"),
+        (["parallel.pp=2", "loss.vocab_over_pp=true"], "loss.vocab_over_pp"),
         (["filter.mode=collider"], "filter.mode"),
         (["model.recompute=full"], "model.recompute=full"),
         (["chunkflow.max_sequence_length=1"], "max_sequence_length=1 must be >= 2"),

@@ -59,15 +59,17 @@ class ChunkFlowConfig:
             raise ConfigError(f"chunkflow: train.global_batch_size={t.global_batch_size} sequences for dp={dp} ranks")
         if t.micro_batch_size != 1:
             raise ConfigError("chunkflow.enabled=true: a chunk is the micro-batch; set train.micro_batch_size=1")
-        blocked = {
-            "parallel.pp > 1 (chunks through the pipeline are not built yet; use parallel.pp=1)": p.pp > 1,
-            "filter.mode (token filtering on chunks is not built yet; use filter.mode=off)": cfg.filter.mode != "off",
-            "model.recompute=full (ChunkFlow recomputes whole chunks itself; use none or selective)": m.recompute
-            == "full",
-            "train.cuda_graphs=true (chunks run eagerly; set train.cuda_graphs=false)": t.cuda_graphs
-            and _on_cuda(t.device),
-        }
-        for what, bad in blocked.items():
+        blocked = [
+            (p.virtual_stages > 1, "parallel.virtual_stages > 1 (chunks run the plain pipeline order; set it to 1)"),
+            (cfg.loss.vocab_over_pp, "loss.vocab_over_pp (a lock-step schedule; set loss.vocab_over_pp=false)"),
+            (cfg.filter.mode != "off", "filter.mode (token filtering on chunks is not built yet; use filter.mode=off)"),
+            (
+                m.recompute == "full",
+                "model.recompute=full (ChunkFlow recomputes whole chunks; use none or selective)",
+            ),
+            (t.cuda_graphs and _on_cuda(t.device), "train.cuda_graphs=true (chunks run eagerly; set it to false)"),
+        ]
+        for bad, what in blocked:
             if bad:
                 raise ConfigError(f"chunkflow.enabled=true does not combine with {what}")
 

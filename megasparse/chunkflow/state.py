@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 
 from megasparse.ops.prefix_attention import prefix_attention
+from megasparse.parallel import comm
+from megasparse.parallel.pipeline import StageComm, catch_grad
 
 __all__ = ["ChunkKV", "KVStore", "run_group"]
 
@@ -96,35 +98,63 @@ class ChunkKV:
         return y
 
 
-Forward = Callable[[int, ChunkKV, bool], torch.Tensor]
-"""``forward(j, kv, first)``: chunk j's scalar training loss; ``first`` is False on a rerun for the backward (the
+Forward = Callable[[int, torch.Tensor | None, ChunkKV, bool], torch.Tensor]
+"""``forward(j, x, kv, first)``: chunk j through this stage from its input ``x`` (None on the first stage): the
+stage output, or on the last stage the scalar training loss; ``first`` is False on a rerun for the backward (the
 caller must not count its loss twice)."""
 
 
-def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int) -> None:
+def _entry(x: torch.Tensor | None, holder: dict) -> torch.Tensor | None:
+    """The received input with its gradient caught for the send upstream (None on the first stage)."""
+    return None if x is None else catch_grad(x.requires_grad_(), holder)
+
+
+def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, p2p: StageComm | None = None) -> None:
     """Chunks of one group forward in order, backward in reverse; at most ``keep`` (K >= 1) keep their graphs
-    from the forward, the others rerun theirs just before their backward."""
+    from the forward, the others rerun theirs just before their backward.
+
+    ``p2p``: this pipeline stage's transfers (None: one stage). Every stage runs the group's forwards in chunk
+    order, receiving each chunk's input from the previous stage and sending its output on, then the backwards in
+    reverse order, receiving output gradients and sending input gradients back: both ends of every link see the
+    same order. A rerun starts from the chunk's received input, kept (detached) from its first forward: the
+    recompute is local to each stage, no transfer is repeated."""
     n = len(offsets)
     store = KVStore(n, chunk_size)
-    live: dict[int, tuple[torch.Tensor, ChunkKV]] = {}
+    live: dict[int, tuple[torch.Tensor, ChunkKV, dict]] = {}
+    inputs: dict[int, torch.Tensor | None] = {}
     for j in range(n):
+        x = None if p2p is None else p2p.recv_forward()
         kv = ChunkKV(store, j, offsets[j])
         if j >= n - keep:
-            live[j] = (forward(j, kv, True), kv)
+            holder: dict = {}
+            out = forward(j, _entry(x, holder), kv, True)
+            live[j] = (out, kv, holder)
         else:
             with torch.no_grad():
-                forward(j, kv, True)
+                out = forward(j, x, kv, True)
+            inputs[j] = x
+        if p2p is not None:
+            p2p.send_forward(out)  # (the last stage has no next: its loss stays)
+        del out
     for j in reversed(range(n)):
+        g = None
+        if p2p is not None:
+            with comm.phase("backward"):
+                g = p2p.recv_backward()
         if j in live:
-            loss, kv = live.pop(j)
+            out, kv, holder = live.pop(j)
         else:
+            holder = {}
             kv = ChunkKV(store, j, offsets[j], rerun=True)
-            loss = forward(j, kv, False)
-        outs, grads = [loss], [None]
+            out = forward(j, _entry(inputs.pop(j), holder), kv, False)
+        outs, grads = [out], [g]
         for layer, k, v in kv.outputs:
-            g = store.grads_of(layer, j)
-            if g is not None:
+            kv_grad = store.grads_of(layer, j)
+            if kv_grad is not None:
                 outs += [k, v]
-                grads += [g[0].to(k.dtype), g[1].to(v.dtype)]
+                grads += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
         torch.autograd.backward(outs, grads)
-        del loss, kv, outs, grads  # this chunk's graph goes now: memory follows K, not the group's length
+        if p2p is not None:
+            with comm.phase("backward"):
+                p2p.send_backward(holder.get("grad"))  # (the first stage has no previous: nothing is sent)
+        del out, kv, outs, grads, holder  # this chunk's graph goes now: memory follows K, not the group's length

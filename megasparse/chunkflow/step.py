@@ -23,6 +23,7 @@ from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.state import ChunkKV, run_group
 from megasparse.ops.compact import KeepHolder
+from megasparse.parallel.pipeline import StageComm, one_f_one_b
 
 __all__ = ["ChunkFlowStep", "RankChunks", "chunk_step"]
 
@@ -44,13 +45,16 @@ class ChunkFlowStep:
     """``step.batches(step_no)`` then ``step(batches, True, step_no)`` -> (summed per-token loss, real tokens)."""
 
     def __init__(self, model, source, *, chunk_size: int, per_step: int, keep: int, dp: int, dp_rank: int,
-                 device: torch.device, eod: int | None = None, max_length: int | None = None):  # fmt: skip
+                 device: torch.device, eod: int | None = None, max_length: int | None = None,
+                 p2p: StageComm | None = None):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
-        per chunk."""
+        per chunk. ``p2p``: the stage's transfers (pipeline stages; None: a single stage, every group through
+        ``state.run_group``)."""
         self.stage = model.chunks[0]
-        assert self.stage.first and self.stage.last, "ChunkFlow runs at pp = 1"
+        assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
+        self.p2p = p2p
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
         self.pack = eod is not None
@@ -72,27 +76,45 @@ class ChunkFlowStep:
         assert train, "ChunkFlow steps train; evaluation runs the fixed-length path"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         normaliser = max(work.plan.real_tokens, 1)
+        singles = []
         for group in work.groups:
-            arrays = [chunk_arrays(c, work.sequences, self.c) for c in group.chunks]
-            ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
-            targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
-
-            packed = len(group.chunks) == 1 and self.pack  # whole documents from position 0: no state to carry
-
-            def forward(j: int, kv: ChunkKV, first: bool, ids=ids, targets=targets, packed=packed) -> torch.Tensor:
-                ctx = self._documents(ids[j]) if packed else {"kv": kv}
-                per_token = self.stage(ids[j], targets[j], KeepHolder(), **ctx)  # 0 at padding (ignored labels)
-                if first:
-                    loss_sum.add_(per_token.detach().double().sum())
-                return per_token.sum() / normaliser
-
-            run_group(forward, [c.offset for c in group.chunks], self.c, self.keep)
+            fwd = self._forward(group, work.sequences, loss_sum, normaliser)
+            if len(group.chunks) == 1 and self.p2p is not None:
+                singles.append(fwd)  # no state: ordinary 1F1B micro-batches, after the long sequences
+            else:
+                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p)
+        if singles:
+            one_f_one_b(
+                len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
+                lambda i, out, g: torch.autograd.backward(out, g),
+            )  # fmt: skip
         plan = work.plan
         self.last = dict(real_tokens=plan.real_tokens, chunks=plan.num_chunks, chunk_fill=plan.real_tokens / plan.slots)
         return loss_sum, work.plan.real_tokens / self.dp
 
+    def _forward(self, group: Group, sequences: list[np.ndarray], loss_sum: torch.Tensor, normaliser: int):
+        """``state.Forward`` of ``group``'s chunks on this stage (``kv`` None: a chunk with no earlier chunks)."""
+        arrays = [chunk_arrays(c, sequences, self.c) for c in group.chunks]
+        ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
+        targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
+        packed = len(group.chunks) == 1 and self.pack  # whole documents from position 0: no state to carry
+        stage = self.stage
 
-def chunk_step(cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.device) -> ChunkFlowStep | None:
+        def forward(j: int, x: torch.Tensor | None, kv: ChunkKV | None, first: bool) -> torch.Tensor:
+            ctx = self._documents(ids[j]) if packed else ({} if kv is None else {"kv": kv})
+            out = stage(ids[j] if stage.first else x, targets[j], KeepHolder(), **ctx)
+            if not stage.last:
+                return out
+            if first:
+                loss_sum.add_(out.detach().double().sum())  # per-token losses, 0 at padding (ignored labels)
+            return out.sum() / normaliser
+
+        return forward
+
+
+def chunk_step(
+    cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.device, p2p: StageComm | None = None
+) -> ChunkFlowStep | None:
     """The run's ChunkFlow step, or None when ``chunkflow.enabled`` is off. Short sequences are packed several per
     chunk under ``data.document_attention``, else take a chunk each (decision 1221)."""
     cf = cfg.chunkflow
@@ -103,5 +125,5 @@ def chunk_step(cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.devi
     return ChunkFlowStep(
         model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
-        max_length=sequence_limit(cfg),
+        max_length=sequence_limit(cfg), p2p=p2p,
     )  # fmt: skip
