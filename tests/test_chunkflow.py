@@ -302,6 +302,7 @@ def test_chunks_train_like_whole_sequences_tp1(whole: dict) -> None:
     assert len(sums) == 1 and abs(sums.pop() / sum(n - 1 for n in LENGTHS) - whole["ref_mean"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_chunks_train_like_whole_sequences_tp2_sp() -> None:
     """Each TP rank's heads keep their own keys/values; the sequence-sharded activations gather for attention."""
     for r in run_distributed(_compare, 2, ["parallel.tp=2", "parallel.sequence_parallel=true"], [1, 4]):
@@ -314,6 +315,7 @@ def _against_whole(grads: dict, weights: dict, whole: dict) -> None:
     assert max(_rel(weights[n], ref_w[n]) for n in ref_w) < 1e-5
 
 
+@pytest.mark.slow
 def test_chunks_train_like_whole_sequences_dp2(whole: dict) -> None:
     """Ranks run different numbers of chunks (the plan deals whole groups) and the bucket hooks count each rank's
     own backward passes; the reduced gradient and the step equal one process's on all sequences."""
@@ -405,7 +407,7 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
             "the 512 positions",
         ),
         (["chunkflow.chunk_size=32"], "differs from model.seq_length=16"),
-        (["train.global_batch_size=1", "chunkflow.chunk_size=16"], None),
+        (["train.global_batch_size=1", "chunkflow.chunk_size=16", "train.cuda_graphs=true"], None),
     ],
 )
 def test_bad_chunkflow_configs_are_one_line(overrides: list[str], match: str | None) -> None:
@@ -417,3 +419,15 @@ def test_bad_chunkflow_configs_are_one_line(overrides: list[str], match: str | N
     with pytest.raises(ConfigError, match=match) as e:
         cfg.validate(world)
     assert "\n" not in str(e.value)
+
+
+def test_chunkflow_runs_eagerly_and_says_why() -> None:
+    """``train.cuda_graphs`` (on by default) is no error: the chunks run eagerly and the banner's graphs line says
+    why (the DP buckets then overlap from their hooks)."""
+    from megasparse.cudagraph import capture_blocker
+    from megasparse.step.build import components_for_capture_check
+
+    for pp in (1, 2):
+        cfg = load_config(None, tiny(train__micro_batch_size=1) + ["chunkflow.enabled=true", f"parallel.pp={pp}"])
+        why = capture_blocker(cfg, pp, torch.device("cuda", 0), components_for_capture_check(cfg))
+        assert why is not None and "chunkflow.enabled" in why

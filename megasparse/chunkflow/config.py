@@ -14,7 +14,8 @@ class ChunkFlowConfig:
     sequence's chunks run in order, each attending to the earlier chunks' keys/values, and peak activation memory
     follows ``max_chunks_in_memory`` chunks instead of the longest sequence. The chunk size *is*
     ``model.seq_length``: every static shape of the trainer (RoPE tables, transfers, loss sizes) derives from it.
-    ``train.global_batch_size`` then counts sequences per step and ``train.micro_batch_size`` must be 1."""
+    ``train.global_batch_size`` then counts sequences per step and ``train.micro_batch_size`` must be 1. Any
+    TP/SP/PP/DP layout; the step runs eagerly (no CUDA graphs)."""
 
     enabled: bool = False
     chunk_size: int | None = None
@@ -28,6 +29,11 @@ class ChunkFlowConfig:
     """The longest sequence (tokens, end-of-document included): a corpus's longer documents are truncated to it
     (``data/sequences.py`` counts them); None: no limit, or the positions the model's RoPE scaling supports. The
     stand-in synthetic data draws its long tail up to it (None: 64 chunks)."""
+
+    def capture_blocker(self) -> str | None:
+        """Why the step cannot be captured as CUDA graphs (``cudagraph.capture_blocker`` asks): chunks run eagerly,
+        each chunk's prefix has its own length and each step its own chunk count."""
+        return "chunkflow.enabled (chunks run eagerly)" if self.enabled else None
 
     def validate(self, cfg, dp: int) -> None:
         """Against the whole config (``cfg``: ``config.Config``), before any process group exists."""
@@ -67,19 +73,10 @@ class ChunkFlowConfig:
                 m.recompute == "full",
                 "model.recompute=full (ChunkFlow recomputes whole chunks; use none or selective)",
             ),
-            (t.cuda_graphs and _on_cuda(t.device), "train.cuda_graphs=true (chunks run eagerly; set it to false)"),
         ]
         for bad, what in blocked:
             if bad:
                 raise ConfigError(f"chunkflow.enabled=true does not combine with {what}")
-
-
-def _on_cuda(device: str) -> bool:
-    if device != "auto":
-        return device == "cuda"
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def sequence_limit(cfg) -> int | None:

@@ -7,8 +7,9 @@ chunks forward in order, backward in reverse) and returns the summed per-token l
 step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
 is normalised by the step's real predictions, known on every rank from the plan: no collective.
 
-The order is group by group (all chunks of one sequence, then the next): at pp = 1 that is the whole schedule
-(decision 1222 says why it is not a ``step/schedule.py`` schedule yet).
+The order is group by group (all chunks of one sequence, forwards then reversed backwards, through every stage);
+then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this is not a
+``step/schedule.py`` schedule).
 """
 
 from __future__ import annotations
