@@ -145,23 +145,27 @@ def _config(overrides: list[str]):
     return load_config(None, base + ["chunkflow.enabled=true", "parallel.grad_bucket_numel=20000"] + overrides)
 
 
-def _whole_sequences(tr, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _whole_sequences(tr, seqs, weights: dict | None = None, kept: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Every sequence alone, unchunked (its length padded to the SP shards with ignored labels): per-token losses,
-    and the summed loss / real tokens backward into the buckets."""
+    and the summed loss / real tokens backward into the buckets (``weights``: (sequence, label) -> 0 or 1, summed
+    over ``kept`` tokens)."""
     from megasparse.ops.compact import KeepHolder
 
     stage, tp = tr.model.chunks[0], tr.lay.tp
-    real = sum(len(s) - 1 for s in seqs)
+    real = kept or sum(len(s) - 1 for s in seqs)
     tr.dp_opt.zero_grad(len(seqs))
     per_seq, total = [], torch.zeros((), dtype=torch.float64)
-    for s in seqs:
+    for si, s in enumerate(seqs):
         n = -(-(len(s) - 1) // tp) * tp
         ids = torch.zeros(n, 1, dtype=torch.long)
         ids[: len(s) - 1, 0] = torch.from_numpy(s[:-1])
         targets = torch.full((n,), IGNORE, dtype=torch.long)
         targets[: len(s) - 1] = torch.from_numpy(s[1:])
         out = stage(ids.to(tr.device), targets.to(tr.device), KeepHolder()).float().cpu()
-        (out.sum() / real).backward()
+        w = torch.ones_like(out)
+        if weights is not None:
+            w[: len(s) - 1] = torch.tensor([weights[(si, i)] for i in range(len(s) - 1)])
+        ((out * w).sum() / real).backward()
         per_seq.append(out.detach()[: len(s) - 1])
         total += out.detach().double().sum()
 
@@ -354,6 +358,52 @@ def test_chunks_through_the_pipeline_train_like_whole_sequences(whole: dict, wor
         _against_whole(r["grads"], r["weights"], whole)
 
 
+def _compare_filtered(scorer: str) -> dict:
+    """filter.mode=loss_mask on chunks (K = 1) against whole sequences trained on the same kept tokens."""
+    from megasparse.chunkflow.plan import chunk_arrays as arrays_of
+    from megasparse.train import Trainer
+
+    seqs = _sequences()
+    ov = [
+        "filter.mode=loss_mask",
+        f"filter.scorer={scorer}",
+        "filter.keep_ratio=0.5",
+        "chunkflow.max_chunks_in_memory=1",
+    ]
+    tr = Trainer(_config(ov))
+    per_tok, _, _, work = _chunked(tr, seqs)
+    grads, sel = _grads(tr), tr.chunkflow.selection
+    ref_tr = Trainer(_config(ov))
+    per_seq, _ = _whole_sequences(ref_tr, seqs)
+    weights = {}  # the same selection, made from the whole sequences' per-token losses chunk by chunk
+    for c in [c for g in work.groups for c in g.chunks]:
+        _, labels, starts = arrays_of(c, seqs, C)
+        out = torch.zeros(C)
+        for p, at in zip(c.pieces, starts):
+            out[at : at + p.count - 1] = per_seq[p.seq][p.start : p.start + p.count - 1]
+        w = sel.weights(out, labels, c, 0)
+        real = torch.from_numpy(labels) != IGNORE
+        assert w[~real].sum() == 0  # padding is never kept
+        if scorer == "loss" and w[real].sum() < real.sum():  # the hardest real tokens of the chunk
+            assert out[real & (w == 1)].min() >= out[real & (w == 0)].max()
+        for p, at in zip(c.pieces, starts):
+            for i in range(p.count - 1):
+                weights[(p.seq, p.start + i)] = w[at + i].item()
+    kept = sel.kept(work.plan)
+    assert sum(weights.values()) == kept
+    _whole_sequences(ref_tr, seqs, weights, kept)
+    ref = _grads(ref_tr)
+    return {"grad": max(_rel(grads[n], ref[n]) for n in ref), "last": tr.chunkflow.last, "kept": kept}
+
+
+@pytest.mark.parametrize("scorer", ["loss", "random"])
+def test_loss_mask_filtering_on_chunks_keeps_real_tokens_only(scorer: str) -> None:
+    (res,) = run_distributed(_compare_filtered, 1, scorer)
+    real = sum(n - 1 for n in LENGTHS)
+    assert res["grad"] < 1e-5, res
+    assert res["last"]["real_kept_share"] == res["kept"] / real and 0.5 <= res["kept"] / real < 0.6
+
+
 # -- memory follows K -------------------------------------------------------------------------------------------------
 def _saved_peak(n_chunks: int, keep: int) -> int:
     from megasparse.chunkflow.step import ChunkFlowStep
@@ -399,7 +449,8 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
         (["train.micro_batch_size=2"], "set train.micro_batch_size=1"),
         (["parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=4"], "parallel.virtual_stages > 1"),
         (["parallel.pp=2", "loss.vocab_over_pp=true"], "loss.vocab_over_pp"),
-        (["filter.mode=collider"], "filter.mode"),
+        (["filter.mode=collider"], "filter.mode=collider"),
+        (["filter.mode=loss_mask", "filter.scorer=excess"], "filter.scorer=excess"),
         (["model.recompute=full"], "model.recompute=full"),
         (["chunkflow.max_sequence_length=1"], "max_sequence_length=1 must be >= 2"),
         (

@@ -21,6 +21,7 @@ import torch
 
 from megasparse.chunkflow.config import sequence_limit
 from megasparse.chunkflow.data import sequence_source
+from megasparse.chunkflow.filter import ChunkSelection
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.state import ChunkKV, run_group
 from megasparse.ops.compact import KeepHolder
@@ -47,20 +48,21 @@ class ChunkFlowStep:
 
     def __init__(self, model, source, *, chunk_size: int, per_step: int, keep: int, dp: int, dp_rank: int,
                  device: torch.device, eod: int | None = None, max_length: int | None = None,
-                 p2p: StageComm | None = None):  # fmt: skip
+                 p2p: StageComm | None = None, selection: ChunkSelection | None = None):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
         per chunk. ``p2p``: the stage's transfers (pipeline stages; None: a single stage, every group through
-        ``state.run_group``)."""
+        ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` over each chunk's real tokens."""
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
         self.p2p = p2p
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
-        self.pack = eod is not None
+        self.pack, self.selection = eod is not None, selection
         self.last: dict = {}
-        """The last step's metrics: real predictions, chunks and their fill (real / label slots) over all ranks."""
+        """The last step's metrics: real predictions, chunks, their fill (real / label slots) and, filtering, the
+        kept share of the real predictions, over all ranks."""
 
     def _documents(self, ids: torch.Tensor) -> dict:
         """A packed chunk's documents for the model (document attention: decision 1200's ``DocSpans``)."""
@@ -76,10 +78,11 @@ class ChunkFlowStep:
     def __call__(self, work: RankChunks, train: bool, step_no: int) -> tuple[torch.Tensor, float]:
         assert train, "ChunkFlow steps train; evaluation runs the fixed-length path"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        normaliser = max(work.plan.real_tokens, 1)
+        plan, sel = work.plan, self.selection
+        kept = plan.real_tokens if sel is None else sel.kept(plan)
         singles = []
         for group in work.groups:
-            fwd = self._forward(group, work.sequences, loss_sum, normaliser)
+            fwd = self._forward(group, work.sequences, loss_sum, max(kept, 1), step_no)
             if len(group.chunks) == 1 and self.p2p is not None:
                 singles.append(fwd)  # no state: ordinary 1F1B micro-batches, after the long sequences
             else:
@@ -89,11 +92,12 @@ class ChunkFlowStep:
                 len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
                 lambda i, out, g: torch.autograd.backward(out, g),
             )  # fmt: skip
-        plan = work.plan
         self.last = dict(real_tokens=plan.real_tokens, chunks=plan.num_chunks, chunk_fill=plan.real_tokens / plan.slots)
+        if sel is not None:
+            self.last["real_kept_share"] = kept / max(plan.real_tokens, 1)
         return loss_sum, work.plan.real_tokens / self.dp
 
-    def _forward(self, group: Group, sequences: list[np.ndarray], loss_sum: torch.Tensor, normaliser: int):
+    def _forward(self, group: Group, sequences: list[np.ndarray], loss_sum: torch.Tensor, normaliser: int, step: int):
         """``state.Forward`` of ``group``'s chunks on this stage (``kv`` None: a chunk with no earlier chunks)."""
         arrays = [chunk_arrays(c, sequences, self.c) for c in group.chunks]
         ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
@@ -108,6 +112,8 @@ class ChunkFlowStep:
                 return out
             if first:
                 loss_sum.add_(out.detach().double().sum())  # per-token losses, 0 at padding (ignored labels)
+            if self.selection is not None:  # filter.mode=loss_mask: only the kept real tokens train
+                out = out * self.selection.weights(out, arrays[j][1], group.chunks[j], step)
             return out.sum() / normaliser
 
         return forward
@@ -126,5 +132,10 @@ def chunk_step(
     return ChunkFlowStep(
         model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
-        max_length=sequence_limit(cfg), p2p=p2p,
+        max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg),
     )  # fmt: skip
+
+
+def _selection(cfg) -> ChunkSelection | None:
+    f = cfg.filter
+    return ChunkSelection(f.keep_ratio, f.scorer, cfg.train.seed) if f.mode == "loss_mask" else None
