@@ -1,5 +1,6 @@
 """ChunkFlow on CUDA: the prefix attention's kernels (cuDNN bf16/fp16, flash bf16, memory-efficient fp32) against
-the fp64 reference, and a chunked step against whole sequences on one GPU (bf16 and fp32)."""
+the fp64 reference, and a chunked step against whole sequences on one GPU (bf16 and fp32) and through a two-GPU
+pipeline (fp32, NCCL)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,19 @@ def test_chunked_step_matches_whole_sequences_on_cuda(dtype: str, tol: float):
     from distributed import run_distributed
     from test_chunkflow import _check, _compare
 
-    gpu = ["train.device=cuda", f"train.dtype={dtype}", "parallel.backend=nccl", "train.cuda_graphs=false"]
+    gpu = ["train.device=cuda", f"train.dtype={dtype}", "parallel.backend=nccl"]
     (res,) = run_distributed(_compare, 1, gpu, [1, 4])
     _check(res, tol=tol)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_chunks_through_a_two_gpu_pipeline_match_whole_sequences():
+    from distributed import run_distributed
+    from test_chunkflow import LENGTHS, _against_whole, _compare, _pipeline_step
+
+    gpu = ["train.device=cuda", "train.dtype=fp32", "parallel.backend=nccl"]  # graphs stay off by themselves
+    (whole,) = run_distributed(_compare, 1, gpu, [1])
+    for r in run_distributed(_pipeline_step, 2, gpu + ["parallel.pp=2"], 1):
+        assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-4
+        assert r["real"] == sum(n - 1 for n in LENGTHS)
+        _against_whole(r["grads"], r["weights"], whole, tol=1e-4)
