@@ -81,7 +81,7 @@ def build_components(cfg, model, train_ds, vocab: int, device: torch.device, dty
         kept = tf.kept_rows if tf is not None and tf.collider else None
         vocab_pp = VocabOverPP(model, cfg.loss, vocab=vocab, rows=rows, dtype=dtype, kept_rows=kept)
     sharded = DistributedAdamW if cfg.parallel.distributed_optimizer else None
-    return Components(tf, sparsity, vocab_pp, sharded, fp8_from_config(cfg), _chunkflow(cfg))
+    return Components(tf, sparsity, vocab_pp, sharded, fp8_from_config(cfg), chunkflow=_chunkflow(cfg))
 
 
 def _chunkflow(cfg) -> ChunkFlowConfig | None:
@@ -116,7 +116,7 @@ def components_for_capture_check(cfg) -> list:
     vocab_pp = VocabOverPP if cfg.loss.vocab_over_pp and cfg.parallel.pp > 1 else None
     sharded = DistributedAdamW if cfg.parallel.distributed_optimizer else None
     parts = Components(
-        TokenFilter.for_capture_check(cfg), sparsity, vocab_pp, sharded, fp8_from_config(cfg), _chunkflow(cfg)
+        TokenFilter.for_capture_check(cfg), sparsity, vocab_pp, sharded, fp8_from_config(cfg), chunkflow=_chunkflow(cfg)
     )
     return parts.for_capture()
 
