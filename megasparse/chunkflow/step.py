@@ -5,7 +5,8 @@ and returns this rank's groups; ``len()`` of them is the number of backward pass
 hooks count (``zero_grad(len(batches))``). Calling the step runs each group (``state.run_group``: a long sequence's
 chunks forward in order, backward in reverse) and returns the summed per-token loss and this rank's share of the
 step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
-is normalised by the step's real predictions, known on every rank from the plan: no collective.
+is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask``), known on every rank
+from the plan: no collective.
 
 The order is group by group (all chunks of one sequence, forwards then reversed backwards, through every stage);
 then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this is not a
