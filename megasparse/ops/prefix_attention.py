@@ -70,6 +70,7 @@ class PrefixAttentionFn(torch.autograd.Function):
         ctx.save_for_backward(q, k_out, v_out, out, lse, cos, sin)
         ctx.meta = (nq, nkv, d, scale, rng, rng_p, offset, qkv.shape, bias is not None)
         ctx.source = source
+        ctx.set_materialize_grads(False)  # a chunk without later chunks gets no k/v gradient: no zeros made for it
         return y, k_out, v_out
 
     @staticmethod
