@@ -93,7 +93,8 @@ class ChunkFlowStep:
                 len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
                 lambda i, out, g: torch.autograd.backward(out, g),
             )  # fmt: skip
-        self.last = dict(real_tokens=plan.real_tokens, chunks=plan.num_chunks, chunk_fill=plan.real_tokens / plan.slots)
+        fill = plan.real_tokens / max(plan.slots, 1)
+        self.last = dict(real_tokens=plan.real_tokens, chunks=plan.num_chunks, chunk_fill=fill)
         if sel is not None:
             self.last["real_kept_share"] = kept / max(plan.real_tokens, 1)
         return loss_sum, work.plan.real_tokens / self.dp
