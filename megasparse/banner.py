@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megasparse.chunkflow.config import chunkflow_line
 from megasparse.config import Config
 from megasparse.loss.config import resolve_impl
 from megasparse.metrics import param_counts, short_count
@@ -71,6 +72,8 @@ def format_banner(cfg: Config, f: RunFacts) -> str:
         f"  layout     world {f.world} = tp {p.tp} x pp {p.pp} x dp {f.dp} | sequence parallel "
         f"{_onoff(p.sequence_parallel)} | virtual stages {p.virtual_stages} | {f.num_microbatches} micro-batches/step",
     ]
+    if cfg.chunkflow.enabled:
+        lines.append(f"  chunkflow  {chunkflow_line(cfg)}")
     if fl.mode == "off":
         lines.append("  filter     off")
     else:

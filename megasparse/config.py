@@ -17,6 +17,7 @@ from typing import Literal
 
 import yaml
 
+from megasparse.chunkflow.config import ChunkFlowConfig
 from megasparse.configbase import ConfigError, apply_override, from_dict, to_dict
 from megasparse.data.config import DataConfig
 from megasparse.filtering.config import FilterConfig
@@ -129,6 +130,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     sparsity: SparsityConfig = field(default_factory=SparsityConfig)
+    chunkflow: ChunkFlowConfig = field(default_factory=ChunkFlowConfig)
 
     def validate(self, world_size: int, devices: bool = True) -> int:
         """Check everything that can be checked without a process group; return the DP size. ``devices=False``
@@ -152,7 +154,7 @@ class Config:
             raise ConfigError(f"model.vocab_size={m.vocab_size} must be positive (or null: tokenizer's)")
         if t.steps < 1 or t.micro_batch_size < 1:
             raise ConfigError("train.steps and train.micro_batch_size must be >= 1")
-        if t.global_batch_size % (t.micro_batch_size * dp):
+        if t.global_batch_size % (t.micro_batch_size * dp) and not self.chunkflow.enabled:  # chunkflow deals tokens
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} is not divisible by "
                 f"train.micro_batch_size={t.micro_batch_size} x dp={dp}; pick a multiple of "
@@ -165,6 +167,7 @@ class Config:
         self.loss.validate()
         self.filter.validate()
         self.sparsity.validate()
+        self.chunkflow.validate(self, dp)
         if self.filter.mode != "off" and self.filter.granularity == "shard" and not p.sequence_parallel:
             raise ConfigError("filter.granularity=shard needs parallel.sequence_parallel=true")
         if self.loss.impl == "mcore" and self.filter.mode == "collider":

@@ -182,7 +182,11 @@ def format_line(rec: dict) -> str:
         parts.append(f"ETA {_hms(rec['eta_s'])}")
     if rec.get("tokens_seen") is not None:
         parts.append(f"{short_count(rec['tokens_seen'])} tokens")
-    if rec.get("kept_share") is not None:
+    if rec.get("real_tokens") is not None:  # chunkflow: the step's real (non-padding) predictions
+        parts.append(f"{short_count(rec['real_tokens'])} real/step, fill {100 * rec['chunk_fill']:.0f}%")
+        if rec.get("real_kept_share") is not None:
+            parts.append(f"kept {100 * rec['real_kept_share']:.0f}% of real")
+    if rec.get("kept_share") is not None and rec.get("real_kept_share") is None:  # (chunkflow: of its real tokens)
         parts.append(f"kept {100 * rec['kept_share']:.0f}%")
     if rec.get("sparse") is not None:
         parts.append("2:4 sparse" if rec["sparse"] else "2:4 dense")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megasparse import checkpoint as ckpt
 from megasparse import runguard
 from megasparse.banner import format_banner
+from megasparse.chunkflow.step import chunk_step
 from megasparse.config import Config, dump_config, load_config
 from megasparse.cudagraph import CapturedSteps
 from megasparse.data.batch import Batch
@@ -89,6 +90,7 @@ class Trainer:
         self.forward_backward = ForwardBackward.build(
             cfg, self.model, parts, self.p2p, self.graphs, self.num_mb, self.dp, self.lay.dp_rank, dev
         )
+        self.chunkflow = chunk_step(cfg, self.model, self.vocab, self.dp, self.lay.dp_rank, dev, self.p2p)  # or None
         self.step = self.consumed = 0
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)  # reliability: skip non-finite steps
         self.flops_tok = flops_per_token(cfg.model, self.vocab_padded)
@@ -102,9 +104,10 @@ class Trainer:
     # -- one optimizer step ---------------------------------------------------------------------
     def compute_gradients(self) -> tuple[torch.Tensor, int]:
         """Forward + backward of this step's global batch; leaves fully reduced gradients in the DP buckets."""
-        self.dp_opt.zero_grad(self.num_mb)
-        batches = self._microbatches(self.train_ds, self.consumed, self.num_mb)
-        loss_sum, tokens = self.forward_backward(batches, True, self.step)
+        cf = self.chunkflow  # chunkflow.enabled: this rank's chunks of the step's whole sequences, a backward each
+        batches = cf.batches(self.step) if cf else self._microbatches(self.train_ds, self.consumed, self.num_mb)
+        self.dp_opt.zero_grad(len(batches))
+        loss_sum, tokens = (cf or self.forward_backward)(batches, True, self.step)
         self.dp_opt.reduce()
         return loss_sum, tokens
 
@@ -126,6 +129,7 @@ class Trainer:
         self.parts.pre_optimizer_step(self.dp_opt.optimizer)
         self.dp_opt.step(wait=self.parts.reads_weights_after_step)  # 2:4 / fp8 hooks read whole weights
         extra = self.parts.post_optimizer_step(self.step + 1)  # masks refreshed, fp8 copies remade
+        extra.update(self.chunkflow.last if self.chunkflow else {})  # real tokens and chunk fill of the step
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.step += 1

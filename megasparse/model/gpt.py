@@ -68,10 +68,20 @@ class Attention(nn.Module):
             self.qkv_bias.tp_spec = (0, parts)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        docs: DocSpans | None = None,
+        kv=None,
+        layer: int = 0,
     ) -> torch.Tensor:
+        """``docs``: the micro-batch's documents; ``kv``: ChunkFlow's ``chunkflow.state.ChunkKV`` (a chunk of a
+        longer sequence: the earlier chunks' keys and values join, at ``layer``'s store)."""
         qkv = self.qkv(x)
         bias = None if self.qkv_bias is None else self.qkv_bias.to(qkv.dtype)
+        if kv is not None:
+            return self.proj(kv.attend(layer, qkv, self.nq, self.nkv, cos, sin, bias))
         return self.proj(attention(qkv, self.nq, self.nkv, cos, sin, self.recompute, bias, docs))
 
 
@@ -109,17 +119,18 @@ class TransformerBlock(nn.Module):
         self.full_recompute = cfg.recompute == "full"
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None = None, kv=None
     ) -> torch.Tensor:
-        """``docs``: the micro-batch's documents (``data.document_attention``; None: one causal window)."""
+        """``docs``: the micro-batch's documents (``data.document_attention``; None: one causal window); ``kv``:
+        ChunkFlow's chunk state."""
         if self.full_recompute:  # only x is kept; the layer runs again in the backward (decision 0012)
-            return recompute.full(self._forward, x, cos, sin, docs)
-        return self._forward(x, cos, sin, docs)
+            return recompute.full(self._forward, x, cos, sin, docs)  # (ChunkFlow's kv: rejected by its config)
+        return self._forward(x, cos, sin, docs, kv)
 
     def _forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None = None, kv=None
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, docs)
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv, self.layer)
         return x + self.mlp(self.mlp_norm(x))
 
     def ffn_linears(self) -> dict[str, nn.Module]:
@@ -231,17 +242,20 @@ class GPTStage(nn.Module):
         targets: torch.Tensor | None = None,
         keep: KeepHolder | None = None,
         docs: DocSpans | None = None,
+        kv=None,
     ) -> torch.Tensor:
         """First stage: x is token ids [s, b] (the embedded input under embedding_over_pp).
 
         Last stage returns per-token loss [s·b]; others hidden. ``docs``: the documents of the whole [s, b] window
-        (``data.document_attention``: attention within documents, RoPE at positions in them)."""
+        (``data.document_attention``: attention within documents, RoPE at positions in them). ``kv``: ChunkFlow's
+        chunk of a longer sequence (``chunkflow.state.ChunkKV``): positions start at ``kv.offset``, attention sees
+        the earlier chunks."""
         full = x.shape[0] * (self.layout.tp if self.sp and not (self.first and not self.embedding_pp) else 1)
-        cos, sin = self.rope(full)
+        cos, sin = self.rope(full + (0 if kv is None else kv.offset))
         if self.first and not self.embedding_pp:
             x = self.embedding(x)
         for block in self.layers:
-            x = block(x, cos, sin, docs)
+            x = block(x, cos, sin, docs, kv)
         if not self.last:
             return x
         x = self.final_norm(x)

@@ -93,27 +93,29 @@ def _doc_bias(docs: DocSpans, q: torch.Tensor, rows: torch.Tensor | None = None,
     return docs.derived(("bias", key, q.dtype, align), lambda: additive_bias(docs.allowed(rows), q.dtype, align))
 
 
-def _flash_fwd(q, k, v, scale, bias=None):
+def _flash_fwd(q, k, v, scale, bias=None, causal: bool = True):
     """(out [b, h, s, d], lse [b, h, s] fp32, rng state for the backward); k, v may have fewer (GQA) heads.
 
     ``bias``: a document mask, additive [b, 1, s, s] (0 or −inf, causality included), instead of is_causal: cuDNN
     takes it as it is, the memory-efficient kernel broadcast to every head, the CPU kernel as ``attn_mask``; flash
-    takes none (decision 1200)."""
-    causal = bias is None
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and (causal or _CUDNN_BIAS["ok"]):
+    takes none (decision 1200). ``causal=False`` (no bias): every query sees every key (ChunkFlow's earlier chunks,
+    ``ops/prefix_attention.py``)."""
+    masked = bias is not None
+    causal = causal and not masked
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and (not masked or _CUDNN_BIAS["ok"]):
         # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007); it takes GQA's key/value
         # heads as they are (no repeated copies; fwd+bwd 2.84 -> 2.53 ms at b=4, 32/4 heads, decision 0010)
         try:
             r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False, scale=scale)
             return r[0], r[1].view(r[1].shape[:3]), ("cudnn", r[6], r[7])
         except RuntimeError as e:
-            (_cudnn_off if causal else _cudnn_bias_off)(e)
+            (_cudnn_bias_off if masked else _cudnn_off)(e)
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and causal:
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not masked:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return r[0], r[1], ("flash", r[6], r[7])
     if q.is_cuda:  # fp32 on GPU, or a document mask: efficient-attention path
-        full = None if causal else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        full = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if masked else None
         r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, full, True, 0.0, causal, scale=scale)
         return r[0], r[1], ("efficient", r[2], r[3])
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -122,13 +124,14 @@ def _flash_fwd(q, k, v, scale, bias=None):
     return out, lse, None
 
 
-def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None):
+def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True):
     """dq, dk, dv of causal attention on whatever rows are given (all, or the kept ones with their lse rows);
-    dk, dv come back with k's and v's (GQA) head count. ``bias``: the document mask of these rows (see
-    ``_flash_fwd``)."""
+    dk, dv come back with k's and v's (GQA) head count. ``bias``: the document mask of these rows; ``causal``:
+    as in ``_flash_fwd``."""
     s_q, s_k = q.shape[2], k.shape[2]
-    causal = bias is None
-    if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"] and (causal or _CUDNN_BIAS["ok"]):
+    masked = bias is not None
+    causal = causal and not masked
+    if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"] and (not masked or _CUDNN_BIAS["ok"]):
         if g.stride() != out.stride():  # cuDNN wants dO laid out like O
             g = torch.empty_like(out).copy_(g)
         try:
@@ -136,15 +139,15 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None):
                 g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], bias, None, None, s_q, s_k, 0.0, causal, scale=scale
             )[:3]
         except RuntimeError as e:  # flash's (or the efficient) backward takes cuDNN's out and lse as they are
-            (_cudnn_off if causal else _cudnn_bias_off)(e)
+            (_cudnn_bias_off if masked else _cudnn_off)(e)
     nkv, heads = k.shape[1], q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
-    if rng is not None and rng[0] in ("flash", "cudnn") and causal:
+    if rng is not None and rng[0] in ("flash", "cudnn") and not masked:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, True, rng[1], rng[2], scale=scale
+            g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, causal, rng[1], rng[2], scale=scale
         )
     elif rng is not None:
-        full = None if causal else bias.expand(q.shape[0], heads, s_q, s_k)
+        full = bias.expand(q.shape[0], heads, s_q, s_k) if masked else None
         dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             g, q, k, v, full, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], causal, scale=scale
         )[:3]
@@ -168,14 +171,23 @@ def _rows_at(t: torch.Tensor, flat: torch.Tensor, b: int, m: int) -> torch.Tenso
     return rows.index_select(0, flat).view(b, m, h, d).permute(0, 2, 1, 3)
 
 
-def _rotated(qkv: torch.Tensor, nq: int, nkv: int, cos: torch.Tensor, sin: torch.Tensor, docs: DocSpans | None):
+def _rotated(
+    qkv: torch.Tensor,
+    nq: int,
+    nkv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    docs: DocSpans | None = None,
+    offset: int = 0,
+):
     """(q, k, v) [b, heads, s, d] of the QKV rows: q and k rotated into one [s, b, heads, d] buffer like qkv, v a
-    view of qkv. ``docs``: rotated at each token's position in its document."""
+    view of qkv. ``docs``: rotated at each token's position in its document; ``offset``: the position of the first
+    row (ChunkFlow's later chunks of a sequence)."""
     s, b, _ = qkv.shape
     d = qkv.shape[-1] // (nq + 2 * nkv)
     heads = qkv.view(s, b, nq + 2 * nkv, d)
     qk = qkv.new_empty(s, b, nq + nkv, d)
-    positions = torch.arange(s, device=qkv.device) if docs is None else docs.rope_positions()
+    positions = torch.arange(offset, offset + s, device=qkv.device) if docs is None else docs.rope_positions()
     rope_into(qk.permute(1, 2, 0, 3), heads[:, :, : nq + nkv].permute(1, 2, 0, 3), cos, sin, positions)
     q = qk[:, :, :nq].permute(1, 2, 0, 3)  # [b, nq, s, d]
     k = qk[:, :, nq:].permute(1, 2, 0, 3)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megasparse.banner import RunFacts
+from megasparse.chunkflow.config import ChunkFlowConfig
 from megasparse.configbase import ConfigError
 from megasparse.filtering.component import TokenFilter
 from megasparse.fp8.converter import Fp8Converter, fp8_from_config
@@ -40,10 +41,12 @@ class Components:
     """``train.fp8``: fp8 GEMMs on the block linears (on W ⊙ M under 2:4); copies remade after each step."""
     eod: int | None = None
     """``data.document_attention``: the end-of-document id of the training data (None: attention spans the window)."""
+    chunkflow: ChunkFlowConfig | None = None
+    """``chunkflow.enabled``: only its ``capture_blocker`` (the trainer builds the step itself, ``chunk_step``)."""
 
     def for_capture(self) -> list:
         """In the order ``cudagraph.capture_blocker`` asks them (the first reason is the one logged)."""
-        return [self.filter, self.sparsity, self.vocab_pp, self.sharded_optimizer, self.fp8]
+        return [self.filter, self.sparsity, self.vocab_pp, self.sharded_optimizer, self.fp8, self.chunkflow]
 
     def convert(self, cfg, model: torch.nn.Module, device: torch.device) -> Fp8Converter | None:
         """After the optimizer is built: the 2:4 FFNs, then fp8 over every linear (its banner line on rank 0)."""
@@ -81,7 +84,9 @@ def build_components(cfg, model, train_ds, vocab: int, device: torch.device, dty
         kept = tf.kept_rows if tf is not None and tf.collider else None
         vocab_pp = VocabOverPP(model, cfg.loss, vocab=vocab, rows=rows, dtype=dtype, kept_rows=kept)
     sharded = DistributedAdamW if cfg.parallel.distributed_optimizer else None
-    return Components(tf, sparsity, vocab_pp, sharded, fp8_from_config(cfg), document_eod(cfg, train_ds))
+    return Components(
+        tf, sparsity, vocab_pp, sharded, fp8_from_config(cfg), document_eod(cfg, train_ds), chunkflow=_chunkflow(cfg)
+    )
 
 
 def document_eod(cfg, train_ds) -> int | None:
@@ -92,6 +97,10 @@ def document_eod(cfg, train_ds) -> int | None:
     if eod is None:
         raise ConfigError(f"data.document_attention: the training data ({cfg.data.prefix}) has no end-of-document id")
     return int(eod)
+
+
+def _chunkflow(cfg) -> ChunkFlowConfig | None:
+    return cfg.chunkflow if cfg.chunkflow.enabled else None
 
 
 def init_weights(cfg, model: torch.nn.Module, vocab: int) -> None:
@@ -121,7 +130,9 @@ def components_for_capture_check(cfg) -> list:
     sparsity = Sparse24Converter(cfg.sparsity, cfg.train.steps, torch.float32) if cfg.sparsity.enabled else None
     vocab_pp = VocabOverPP if cfg.loss.vocab_over_pp and cfg.parallel.pp > 1 else None
     sharded = DistributedAdamW if cfg.parallel.distributed_optimizer else None
-    parts = Components(TokenFilter.for_capture_check(cfg), sparsity, vocab_pp, sharded, fp8_from_config(cfg))
+    parts = Components(
+        TokenFilter.for_capture_check(cfg), sparsity, vocab_pp, sharded, fp8_from_config(cfg), chunkflow=_chunkflow(cfg)
+    )
     return parts.for_capture()
 
 

@@ -1,0 +1,106 @@
+"""The ``chunkflow`` config section: training on whole variable-length sequences cut into equal chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megasparse.configbase import ConfigError
+
+
+@dataclass
+class ChunkFlowConfig:
+    """ChunkFlow (issue 30, decisions 1220-1222): each step's whole sequences are packed (short ones) or split
+    (long ones) into chunks of ``model.seq_length`` tokens, which run as the step's micro-batches; a long
+    sequence's chunks run in order, each attending to the earlier chunks' keys/values, and peak activation memory
+    follows ``max_chunks_in_memory`` chunks instead of the longest sequence. The chunk size *is*
+    ``model.seq_length``: every static shape of the trainer (RoPE tables, transfers, loss sizes) derives from it.
+    ``train.global_batch_size`` then counts sequences per step and ``train.micro_batch_size`` must be 1. Any
+    TP/SP/PP/DP layout; the step runs eagerly (no CUDA graphs)."""
+
+    enabled: bool = False
+    chunk_size: int | None = None
+    """Tokens per chunk: None means ``model.seq_length``; given, it must equal ``model.seq_length`` (a chunk is the
+    micro-batch window every static shape derives from, so the two cannot differ)."""
+    max_chunks_in_memory: int = 2
+    """K: how many chunks of one long sequence keep their activations for the backward. Earlier chunks run forward
+    without them (only their keys/values are kept) and run forward again just before their backward: K = 1 costs
+    about one extra forward per chunk beyond the last; K >= the chunks of the longest sequence costs none."""
+    max_sequence_length: int | None = None
+    """The longest sequence (tokens, end-of-document included): a corpus's longer documents are truncated to it
+    (``data/sequences.py`` counts them); None: no limit, or the positions the model's RoPE scaling supports. The
+    stand-in synthetic data draws its long tail up to it (None: 64 chunks)."""
+
+    def capture_blocker(self) -> str | None:
+        """Why the step cannot be captured as CUDA graphs (``cudagraph.capture_blocker`` asks): chunks run eagerly,
+        each chunk's prefix has its own length and each step its own chunk count."""
+        return "chunkflow.enabled (chunks run eagerly)" if self.enabled else None
+
+    def validate(self, cfg, dp: int) -> None:
+        """Against the whole config (``cfg``: ``config.Config``), before any process group exists."""
+        if not self.enabled:
+            return
+        if self.max_chunks_in_memory < 1:
+            raise ConfigError(f"chunkflow.max_chunks_in_memory={self.max_chunks_in_memory} must be >= 1")
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        if self.chunk_size is not None and self.chunk_size != m.seq_length:
+            raise ConfigError(
+                f"chunkflow.chunk_size={self.chunk_size} differs from model.seq_length={m.seq_length}: a chunk is the "
+                "micro-batch window; set model.seq_length to the chunk size (or leave chunkflow.chunk_size unset)"
+            )
+        limit = self.max_sequence_length
+        if limit is not None and limit < 2:
+            raise ConfigError(f"chunkflow.max_sequence_length={limit} must be >= 2")
+        supported = int(m.rope_original_max_positions * m.rope_scaling_factor)
+        if m.rope_scaling == "llama3" and limit is not None and limit > supported:
+            raise ConfigError(
+                f"chunkflow.max_sequence_length={limit} exceeds the {supported} positions the "
+                "model's RoPE scaling supports (model.rope_original_max_positions x model.rope_scaling_factor)"
+            )
+        if p.sequence_parallel and m.seq_length % p.tp:
+            raise ConfigError(
+                f"chunkflow: the chunk size model.seq_length={m.seq_length} must be a multiple of parallel.tp={p.tp} "
+                "under sequence parallelism"
+            )
+        if t.global_batch_size < dp:
+            raise ConfigError(f"chunkflow: train.global_batch_size={t.global_batch_size} sequences for dp={dp} ranks")
+        if t.micro_batch_size != 1:
+            raise ConfigError("chunkflow.enabled=true: a chunk is the micro-batch; set train.micro_batch_size=1")
+        blocked = [
+            (p.virtual_stages > 1, "parallel.virtual_stages > 1 (chunks run the plain pipeline order; set it to 1)"),
+            (cfg.loss.vocab_over_pp, "loss.vocab_over_pp (a lock-step schedule; set loss.vocab_over_pp=false)"),
+            (
+                cfg.filter.mode == "collider",
+                "filter.mode=collider (its compact backward across chunks is not built; use filter.mode=loss_mask)",
+            ),
+            (
+                cfg.filter.mode != "off" and cfg.filter.scorer == "excess",
+                "filter.scorer=excess (reference losses are not aligned with chunks; use filter.scorer=loss or random)",
+            ),
+            (
+                m.recompute == "full",
+                "model.recompute=full (ChunkFlow recomputes whole chunks; use none or selective)",
+            ),
+        ]
+        for bad, what in blocked:
+            if bad:
+                raise ConfigError(f"chunkflow.enabled=true does not combine with {what}")
+
+
+def sequence_limit(cfg) -> int | None:
+    """The longest sequence a run trains: ``chunkflow.max_sequence_length``, else what RoPE scaling supports."""
+    m = cfg.model
+    if cfg.chunkflow.max_sequence_length is not None or m.rope_scaling != "llama3":
+        return cfg.chunkflow.max_sequence_length
+    return int(m.rope_original_max_positions * m.rope_scaling_factor)
+
+
+def chunkflow_line(cfg) -> str:
+    """The start banner's line: what a step holds, what K keeps and whether short sequences share chunks."""
+    cf, t = cfg.chunkflow, cfg.train
+    limit = sequence_limit(cfg)
+    packed = "packed (document attention)" if getattr(cfg.data, "document_attention", False) else "one per chunk"
+    return (
+        f"on: {t.global_batch_size} whole sequences/step{'' if limit is None else f' (up to {limit} tokens)'} in "
+        f"chunks of {cfg.model.seq_length}, activations of K={cf.max_chunks_in_memory} chunks per sequence kept, "
+        f"short sequences {packed}"
+    )

@@ -1,0 +1,160 @@
+"""One group's chunks (a long sequence's, in causal order) forward and backward, with the keys/values between them.
+
+Forward: chunk j runs with ``ChunkKV`` handed to the model; each layer's attention (``ops/prefix_attention.py``)
+reads the rotated keys/values of chunks < j from this group's ``KVStore`` and writes its own. Only the last K
+chunks (``max_chunks_in_memory``) keep their autograd graphs; the earlier ones run under ``no_grad`` and leave only
+their keys/values.
+
+Backward, in reverse chunk order: chunk j's graph (kept, or rebuilt by running its forward again, which is
+deterministic and reads the same prefix) is differentiated from its loss *and* from its keys/values, whose incoming
+gradients are what chunks > j added into the store's gradient buffers. Its own attention adds the gradients of the
+prefix keys/values into those buffers in turn. One ``autograd.backward`` per chunk: each parameter's gradient
+arrives once per chunk, which is what the DP buckets' overlap hooks count (decision 1222).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megasparse.ops.prefix_attention import prefix_attention
+from megasparse.parallel import comm
+from megasparse.parallel.pipeline import StageComm, catch_grad
+
+__all__ = ["ChunkKV", "KVStore", "run_group"]
+
+
+class KVStore:
+    """Every layer's rotated keys/values of one group's chunks, and their gradients from later chunks.
+
+    Per layer one buffer [b, nkv, n·C, d] each for k, v, dk, dv (allocated at the first chunk's write): chunk j's
+    prefix is a view of its first j·C positions, so nothing is copied per chunk. The gradients accumulate in fp32
+    (bf16 k/v receive a sum over up to n − 1 later chunks)."""
+
+    def __init__(self, num_chunks: int, chunk_size: int):
+        self.n, self.c = num_chunks, chunk_size
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.dk: dict[int, torch.Tensor] = {}
+        self.dv: dict[int, torch.Tensor] = {}
+
+    def write(self, layer: int, j: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if layer not in self.k:
+            shape = (k.shape[0], k.shape[1], self.n * self.c, k.shape[3])
+            for store in (self.k, self.v):
+                store[layer] = k.new_empty(shape)
+            acc = torch.promote_types(k.dtype, torch.float32)  # summed over every later chunk
+            if self.n > 1:
+                for store in (self.dk, self.dv):
+                    store[layer] = torch.zeros(shape, dtype=acc, device=k.device)
+        lo = j * self.c
+        self.k[layer][:, :, lo : lo + self.c].copy_(k)
+        self.v[layer][:, :, lo : lo + self.c].copy_(v)
+
+    def grads_of(self, layer: int, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What chunks > j sent to chunk j's keys/values (None for the last chunk: nothing comes after it)."""
+        if j == self.n - 1:
+            return None
+        lo = j * self.c
+        return self.dk[layer][:, :, lo : lo + self.c], self.dv[layer][:, :, lo : lo + self.c]
+
+
+class _LayerPrefix:
+    """``ops.prefix_attention.PrefixSource`` of one layer for chunk j: the store's first j·C positions."""
+
+    def __init__(self, store: KVStore, layer: int, j: int):
+        self.store, self.layer, self.j = store, layer, j
+
+    def prefix(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.j == 0:
+            return None
+        hi = self.j * self.store.c
+        return self.store.k[self.layer][:, :, :hi], self.store.v[self.layer][:, :, :hi]
+
+    def add_grad(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        hi = self.j * self.store.c
+        self.store.dk[self.layer][:, :, :hi].add_(dk)
+        self.store.dv[self.layer][:, :, :hi].add_(dv)
+
+
+class ChunkKV:
+    """What the model gets for chunk j of a group (``GPTStage.forward(..., kv=)``): the RoPE offset of its first
+    token and, per layer, the attention over the earlier chunks. ``rerun``: the forward runs again for the
+    backward (the store already holds this chunk's keys/values)."""
+
+    def __init__(self, store: KVStore, j: int, offset: int, rerun: bool = False):
+        self.store, self.j, self.offset, self.rerun = store, j, offset, rerun
+        self.outputs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        """(layer, k, v) of this chunk with their autograd history (forwards with grad only)."""
+
+    def attend(self, layer: int, qkv: torch.Tensor, nq: int, nkv: int, cos, sin, bias=None) -> torch.Tensor:
+        """Layer ``layer``'s attention for this chunk: y [s, b, nq·d] (its keys/values recorded)."""
+        y, k, v = prefix_attention(qkv, nq, nkv, cos, sin, self.offset, _LayerPrefix(self.store, layer, self.j), bias)
+        if not self.rerun:
+            self.store.write(layer, self.j, k.detach(), v.detach())
+        if torch.is_grad_enabled():
+            self.outputs.append((layer, k, v))
+        return y
+
+
+Forward = Callable[[int, torch.Tensor | None, ChunkKV, bool], torch.Tensor]
+"""``forward(j, x, kv, first)``: chunk j through this stage from its input ``x`` (None on the first stage): the
+stage output, or on the last stage the scalar training loss; ``first`` is False on a rerun for the backward (the
+caller must not count its loss twice)."""
+
+
+def _entry(x: torch.Tensor | None, holder: dict) -> torch.Tensor | None:
+    """The received input with its gradient caught for the send upstream (None on the first stage)."""
+    return None if x is None else catch_grad(x.requires_grad_(), holder)
+
+
+def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, p2p: StageComm | None = None) -> None:
+    """Chunks of one group forward in order, backward in reverse; at most ``keep`` (K >= 1) keep their graphs
+    from the forward, the others rerun theirs just before their backward.
+
+    ``p2p``: this pipeline stage's transfers (None: one stage). Every stage runs the group's forwards in chunk
+    order, receiving each chunk's input from the previous stage and sending its output on, then the backwards in
+    reverse order, receiving output gradients and sending input gradients back: both ends of every link see the
+    same order. A rerun starts from the chunk's received input, kept (detached) from its first forward: the
+    recompute is local to each stage, no transfer is repeated."""
+    n = len(offsets)
+    store = KVStore(n, chunk_size)
+    live: dict[int, tuple[torch.Tensor, ChunkKV, dict]] = {}
+    inputs: dict[int, torch.Tensor | None] = {}
+    for j in range(n):
+        x = None if p2p is None else p2p.recv_forward()
+        kv = ChunkKV(store, j, offsets[j])
+        if j >= n - keep:
+            holder: dict = {}
+            out = forward(j, _entry(x, holder), kv, True)
+            live[j] = (out, kv, holder)
+        else:
+            with torch.no_grad():
+                out = forward(j, x, kv, True)
+            inputs[j] = x
+        if p2p is not None:
+            p2p.send_forward(out)  # (the last stage has no next: its loss stays)
+        del out
+    for j in reversed(range(n)):
+        g = None
+        if p2p is not None:
+            with comm.phase("backward"):
+                g = p2p.recv_backward()
+        if j in live:
+            out, kv, holder = live.pop(j)
+        else:
+            holder = {}
+            kv = ChunkKV(store, j, offsets[j], rerun=True)
+            out = forward(j, _entry(inputs.pop(j), holder), kv, False)
+        outs, grads = [out], [g]
+        for layer, k, v in kv.outputs:
+            kv_grad = store.grads_of(layer, j)
+            if kv_grad is not None:
+                outs += [k, v]
+                grads += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
+        torch.autograd.backward(outs, grads)
+        if p2p is not None:
+            with comm.phase("backward"):
+                p2p.send_backward(holder.get("grad"))  # (the first stage has no previous: nothing is sent)
+        del out, kv, outs, grads, holder  # this chunk's graph goes now: memory follows K, not the group's length

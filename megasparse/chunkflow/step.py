@@ -1,0 +1,143 @@
+"""The trainer's step under ``chunkflow.enabled``: this rank's chunks of the step's whole sequences.
+
+``ChunkFlowStep.batches(step)`` reads the step's sequences, plans the chunks (``plan.py``, the same on every rank)
+and returns this rank's groups; ``len()`` of them is the number of backward passes, which the DP buckets' overlap
+hooks count (``zero_grad(len(batches))``). Calling the step runs each group (``state.run_group``: a long sequence's
+chunks forward in order, backward in reverse) and returns the summed per-token loss and this rank's share of the
+step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
+is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask``), known on every rank
+from the plan: no collective.
+
+The order is group by group (all chunks of one sequence, forwards then reversed backwards, through every stage);
+then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this is not a
+``step/schedule.py`` schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megasparse.chunkflow.config import sequence_limit
+from megasparse.chunkflow.data import sequence_source
+from megasparse.chunkflow.filter import ChunkSelection
+from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
+from megasparse.chunkflow.state import ChunkKV, run_group
+from megasparse.ops.compact import KeepHolder
+from megasparse.parallel.pipeline import StageComm, one_f_one_b
+
+__all__ = ["ChunkFlowStep", "RankChunks", "chunk_step"]
+
+
+@dataclass
+class RankChunks:
+    """One step's plan, this rank's groups and the step's sequences (what the step's call runs)."""
+
+    plan: StepPlan
+    groups: list[Group]
+    sequences: list[np.ndarray]
+
+    def __len__(self) -> int:
+        """Backward passes of this rank's step: one per chunk (a rerun chunk's forward is not one)."""
+        return sum(len(g.chunks) for g in self.groups)
+
+
+class ChunkFlowStep:
+    """``step.batches(step_no)`` then ``step(batches, True, step_no)`` -> (summed per-token loss, real tokens)."""
+
+    def __init__(self, model, source, *, chunk_size: int, per_step: int, keep: int, dp: int, dp_rank: int,
+                 device: torch.device, eod: int | None = None, max_length: int | None = None,
+                 p2p: StageComm | None = None, selection: ChunkSelection | None = None):  # fmt: skip
+        """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
+        ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
+        ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
+        per chunk. ``p2p``: the stage's transfers (pipeline stages; None: a single stage, every group through
+        ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` over each chunk's real tokens."""
+        self.stage = model.chunks[0]
+        assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
+        self.p2p = p2p
+        self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
+        self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
+        self.pack, self.selection = eod is not None, selection
+        self.last: dict = {}
+        """The last step's metrics: real predictions, chunks, their fill (real / label slots) and, filtering, the
+        kept share of the real predictions, over all ranks."""
+
+    def _documents(self, ids: torch.Tensor) -> dict:
+        """A packed chunk's documents for the model (document attention: decision 1200's ``DocSpans``)."""
+        from megasparse.ops.documents import DocSpans  # issue 30 item 1 (document attention)
+
+        return {"docs": DocSpans.from_ids(ids, self.eod)}
+
+    def batches(self, step: int) -> RankChunks:
+        seqs = [np.asarray(t) for _, t in self.source.step_sequences(step, self.per_step)]
+        plan = plan_step([len(t) for t in seqs], self.c, self.dp, self.pack, self.max_length)
+        return RankChunks(plan, plan.rank_groups(self.dp_rank), seqs)
+
+    def __call__(self, work: RankChunks, train: bool, step_no: int) -> tuple[torch.Tensor, float]:
+        assert train, "ChunkFlow steps train; evaluation runs the fixed-length path"
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        plan, sel = work.plan, self.selection
+        kept = plan.real_tokens if sel is None else sel.kept(plan)
+        singles = []
+        for group in work.groups:
+            fwd = self._forward(group, work.sequences, loss_sum, max(kept, 1), step_no)
+            if len(group.chunks) == 1 and self.p2p is not None:
+                singles.append(fwd)  # no state: ordinary 1F1B micro-batches, after the long sequences
+            else:
+                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p)
+        if singles:
+            one_f_one_b(
+                len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
+                lambda i, out, g: torch.autograd.backward(out, g),
+            )  # fmt: skip
+        fill = plan.real_tokens / max(plan.slots, 1)
+        self.last = dict(real_tokens=plan.real_tokens, chunks=plan.num_chunks, chunk_fill=fill)
+        if sel is not None:
+            self.last["real_kept_share"] = kept / max(plan.real_tokens, 1)
+        return loss_sum, work.plan.real_tokens / self.dp
+
+    def _forward(self, group: Group, sequences: list[np.ndarray], loss_sum: torch.Tensor, normaliser: int, step: int):
+        """``state.Forward`` of ``group``'s chunks on this stage (``kv`` None: a chunk with no earlier chunks)."""
+        arrays = [chunk_arrays(c, sequences, self.c) for c in group.chunks]
+        ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
+        targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
+        packed = len(group.chunks) == 1 and self.pack  # whole documents from position 0: no state to carry
+        stage = self.stage
+
+        def forward(j: int, x: torch.Tensor | None, kv: ChunkKV | None, first: bool) -> torch.Tensor:
+            ctx = self._documents(ids[j]) if packed else ({} if kv is None else {"kv": kv})
+            out = stage(ids[j] if stage.first else x, targets[j], KeepHolder(), **ctx)
+            if not stage.last:
+                return out
+            if first:
+                loss_sum.add_(out.detach().double().sum())  # per-token losses, 0 at padding (ignored labels)
+            if self.selection is not None:  # filter.mode=loss_mask: only the kept real tokens train
+                out = out * self.selection.weights(out, arrays[j][1], group.chunks[j], step)
+            return out.sum() / normaliser
+
+        return forward
+
+
+def chunk_step(
+    cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.device, p2p: StageComm | None = None
+) -> ChunkFlowStep | None:
+    """The run's ChunkFlow step, or None when ``chunkflow.enabled`` is off. Short sequences are packed several per
+    chunk under ``data.document_attention``, else take a chunk each (decision 1221)."""
+    cf = cfg.chunkflow
+    if not cf.enabled:
+        return None
+    source = sequence_source(cfg, vocab)
+    eod = source.eod_id if getattr(cfg.data, "document_attention", False) else None
+    return ChunkFlowStep(
+        model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
+        keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
+        max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg),
+    )  # fmt: skip
+
+
+def _selection(cfg) -> ChunkSelection | None:
+    f = cfg.filter
+    return ChunkSelection(f.keep_ratio, f.scorer, cfg.train.seed) if f.mode == "loss_mask" else None

@@ -1,0 +1,157 @@
+"""Causal attention of one chunk of a long sequence over the keys/values of the sequence's earlier chunks
+(ChunkFlow's state-aware chunks, ``megasparse/chunkflow/``, decision 1220).
+
+Chunk j of a sequence holds positions [offset, offset + s). Its queries see every key of the earlier chunks (the
+prefix, already rotated, kept by the caller) and their own chunk's keys causally. The kernels are the ones
+``ops/attention.py`` dispatches (cuDNN, flash, efficient, the CPU flash kernel), called twice: once causal on the
+chunk's own keys, once non-causal on the prefix, and the two partial results merged by their log-sum-exps (the
+merge ring attention uses). The backward runs each kernel's own backward with the *merged* output and log-sum-exp,
+which makes each part's probabilities the whole softmax's restricted to its keys: exact, no mask tensor, and no
+alignment question for causal attention between unequal query and key lengths.
+
+The prefix is not an autograd input: the caller's ``PrefixSource`` hands the keys/values in the forward (and again
+in the backward: nothing of the prefix is saved here) and receives their gradients in the backward
+(``add_grad``). The chunk's own rotated keys and values are extra outputs, so a caller can keep them for the later
+chunks and feed the gradients those later chunks produced back into this chunk's backward.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from megasparse.ops.attention import _flash_bwd, _flash_fwd, _rotated
+from megasparse.ops.rope_kernels import rope_into
+
+__all__ = ["PrefixSource", "prefix_attention", "prefix_attention_reference"]
+
+
+class PrefixSource(Protocol):
+    """The rotated keys/values of a sequence's earlier chunks for one layer, and where their gradients go."""
+
+    def prefix(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k, v) [b, nkv, P, d] of the P earlier positions, or None for a sequence's first chunk."""
+
+    def add_grad(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add the prefix keys'/values' gradients ([b, nkv, P, d]) from this chunk's backward."""
+
+
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor):
+    """Two attention results over disjoint key sets combined into the one over their union: (out, lse). The lse
+    keeps the first result's layout (the efficient kernel pads its rows); the arithmetic is fp32 or wider."""
+    s, acc = o1.shape[2], torch.promote_types(o1.dtype, torch.float32)
+    a, c = l1[..., :s].to(acc), l2[..., :s].to(acc)
+    m = torch.logaddexp(a, c)
+    out = torch.empty_like(o1)  # o1's strides (cuDNN wants dO laid out like O in the backward)
+    out.copy_(o1.to(acc) * (a - m).exp().unsqueeze(-1) + o2.to(acc) * (c - m).exp().unsqueeze(-1))
+    lse = l1.clone()
+    lse[..., :s] = m.to(lse.dtype)
+    return out, lse
+
+
+class PrefixAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, nq: int, nkv: int, cos, sin, offset: int, source: PrefixSource, bias):
+        if bias is not None:
+            qkv = qkv + bias
+        s, b, _ = qkv.shape
+        q, k, v = _rotated(qkv, nq, nkv, cos, sin, offset=offset)
+        d = q.shape[-1]
+        scale = d**-0.5
+        out, lse, rng = _flash_fwd(q, k, v, scale)
+        pre = source.prefix()
+        rng_p = None
+        if pre is not None:
+            o_p, l_p, rng_p = _flash_fwd(q, pre[0], pre[1], scale, causal=False)
+            out, lse = _merge(out, lse, o_p, l_p)
+        y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        k_out, v_out = k.contiguous(), v.contiguous()  # [b, nkv, s, d]: what the later chunks read
+        ctx.save_for_backward(q, k_out, v_out, out, lse, cos, sin)
+        ctx.meta = (nq, nkv, d, scale, rng, rng_p, offset, qkv.shape, bias is not None)
+        ctx.source = source
+        ctx.set_materialize_grads(False)  # a chunk without later chunks gets no k/v gradient: no zeros made for it
+        return y, k_out, v_out
+
+    @staticmethod
+    def backward(ctx, g, gk, gv):
+        nq, nkv, d, scale, rng, rng_p, offset, shape, has_bias = ctx.meta
+        q, k, v, out, lse, cos, sin = ctx.saved_tensors
+        s, b, _ = shape
+        go = g.reshape(s, b, nq, d).permute(1, 2, 0, 3)
+        dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
+        pre = ctx.source.prefix()  # the same tensors as in the forward (the caller keeps them until this backward)
+        if pre is not None:
+            kp, vp = pre
+            dq_p, dkp, dvp = _flash_bwd(go, q, kp, vp, out, lse, rng_p, scale, causal=False)
+            dq = dq + dq_p
+            ctx.source.add_grad(dkp, dvp)
+        if gk is not None:  # the later chunks' gradients of this chunk's keys/values
+            dk = dk + gk
+        if gv is not None:
+            dv = dv + gv
+        rows = dq.new_empty(s, b, nq + 2 * nkv, d)
+        heads = rows.permute(1, 2, 0, 3)
+        pos = torch.arange(offset, offset + s, device=q.device)
+        rope_into(heads[:, :nq], dq, cos, sin, pos, inverse=True)
+        rope_into(heads[:, nq : nq + nkv], dk, cos, sin, pos, inverse=True)
+        heads[:, nq + nkv :].copy_(dv)
+        dqkv = rows.reshape(shape)
+        db = dqkv.reshape(-1, shape[-1]).sum(0) if has_bias else None
+        return dqkv, None, None, None, None, None, None, db
+
+
+def prefix_attention(
+    qkv: torch.Tensor,
+    nq: int,
+    nkv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offset: int,
+    source: PrefixSource,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [s, b, nq·d], k, v [b, nkv, s, d]): a chunk at positions [offset, offset + s) attending to ``source``'s
+    earlier keys/values and causally to its own; k (rotated) and v are this chunk's, for the later chunks."""
+    return PrefixAttentionFn.apply(qkv, nq, nkv, cos, sin, offset, source, bias)
+
+
+def prefix_attention_reference(
+    qkv: torch.Tensor,
+    nq: int,
+    nkv: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    offset: int,
+    prefix_k: torch.Tensor | None,
+    prefix_v: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same in plain torch (differentiable in every input, the prefix included): RoPE by rotate-half at the
+    chunk's positions, keys = prefix ++ own, a lower-right causal mask, softmax in fp32 or wider."""
+    if bias is not None:
+        qkv = qkv + bias
+    s, b, _ = qkv.shape
+    d = qkv.shape[-1] // (nq + 2 * nkv)
+    heads = qkv.view(s, b, nq + 2 * nkv, d).permute(1, 2, 0, 3)  # [b, H, s, d]
+    acc = torch.promote_types(qkv.dtype, torch.float32)
+    pos = torch.arange(offset, offset + s, device=qkv.device)
+    c, sn = cos[pos].to(acc), sin[pos].to(acc)
+
+    def rot(x):
+        x1, x2 = x.to(acc).chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], dim=-1)
+
+    q, k, v = rot(heads[:, :nq]), rot(heads[:, nq : nq + nkv]), heads[:, nq + nkv :].to(acc)
+    keys, vals = k, v
+    if prefix_k is not None:
+        keys, vals = torch.cat([prefix_k.to(acc), k], 2), torch.cat([prefix_v.to(acc), v], 2)
+    rep = nq // nkv
+    keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
+    p = keys.shape[2] - s
+    key_pos, query_pos = torch.arange(keys.shape[2], device=qkv.device), p + torch.arange(s, device=qkv.device)
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    scores = (q @ keys.transpose(-1, -2)) * d**-0.5
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    y = (probs @ vals).permute(2, 0, 1, 3).reshape(s, b, nq * d).to(qkv.dtype)
+    return y, k.to(qkv.dtype), v.to(qkv.dtype)

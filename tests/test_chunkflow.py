@@ -1,0 +1,492 @@
+"""ChunkFlow (``megasparse/chunkflow/``, issue 30): the plan covers every real token once and balances DP ranks; a
+chunk's prefix attention equals its plain-torch reference; training on chunks (K = 1 and K = all) gives the same
+per-token losses, gradients and optimizer step as training each sequence whole, at tp 1, tp 2 + SP and dp 2; the
+activations kept follow K, not the number of chunks; bad configs are one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from distributed import run_distributed
+from tiny import TRAINING, tiny
+
+from megasparse.chunkflow.data import LongTailSequences
+from megasparse.chunkflow.plan import IGNORE, chunk_arrays, plan_step
+from megasparse.config import ConfigError, load_config
+from megasparse.ops.attention import rope_tables
+from megasparse.ops.prefix_attention import prefix_attention, prefix_attention_reference
+
+C = 16  # tiny()'s model.seq_length: the chunk size
+LENGTHS = [3 * C + 10, 5, 2 * C + 1, C + 1, 11, 2, 3]
+"""Tokens of the step's sequences: 4 chunks (last padded), 5 tokens, 2 whole chunks, exactly one chunk, ..."""
+
+
+def _sequences(lengths=LENGTHS, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        t = rng.integers(1, 250, n)
+        t[-1] = 0
+        out.append(t)
+    return out
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pack", [True, False])
+def test_plan_covers_every_real_token_once(pack: bool) -> None:
+    seqs = _sequences()
+    plan = plan_step([len(s) for s in seqs], C, dp=2, pack=pack)
+    seen: dict[tuple[int, int], int] = {}
+    slots = 0
+    for group in plan.groups:
+        for _j, chunk in enumerate(group.chunks):
+            tokens, labels, starts = chunk_arrays(chunk, seqs, C)
+            slots += labels.size
+            for p, at in zip(chunk.pieces, starts):
+                assert chunk.offset == (p.start if len(group.chunks) > 1 else 0)
+                for i in range(p.count - 1):  # label slot at+i predicts token start+i+1 of sequence p.seq
+                    assert labels[at + i] == seqs[p.seq][p.start + i + 1]
+                    key = (p.seq, p.start + i + 1)
+                    seen[key] = seen.get(key, 0) + 1
+    want = {(s, i) for s, n in enumerate(LENGTHS) for i in range(1, n)}
+    assert set(seen) == want and set(seen.values()) == {1}
+    assert plan.real_tokens == sum(n - 1 for n in LENGTHS) == len(want)
+    assert plan.slots == slots and plan.num_chunks * C == slots  # padding counted: every slot that runs
+    assert sum(plan.loads) == plan.real_tokens
+    assert (plan.num_chunks < 4 + 2 + 5) if pack else (plan.num_chunks == 4 + 2 + 5)  # 5 shorts: one chunk each
+
+
+def test_plan_separates_packed_documents_and_pads() -> None:
+    seqs = _sequences([5, 7, 3])
+    (group,) = plan_step([5, 7, 3], C, dp=1).groups
+    tokens, labels, starts = chunk_arrays(group.chunks[0], seqs, C)
+    assert starts == [0, 7, 12]  # longest first: 7, 5, 3 tokens
+    boundary = [6, 11]  # a document's last token is only a label: its slot predicts nothing across documents
+    assert all(labels[b] == IGNORE for b in boundary)
+    assert (labels != IGNORE).sum() == 4 + 6 + 2 and (labels[14:] == IGNORE).all()
+
+
+def test_plan_balances_dp_ranks_and_is_deterministic() -> None:
+    src = LongTailSequences(vocab=100, max_length=64 * C, seed=3)
+    lengths = [src.length(g) for g in range(256)]
+    assert max(lengths) > 16 * C and np.median(lengths) < 2 * C  # a long tail
+    for dp in (2, 4, 8):
+        plan = plan_step(lengths, C, dp=dp)
+        ideal = plan.real_tokens / dp
+        assert max(plan.loads) - ideal <= C, (dp, plan.loads, ideal)  # within one chunk of the ideal
+        again = plan_step(list(lengths), C, dp=dp)
+        assert again.owner == plan.owner and again.loads == plan.loads
+        for g, _r in zip(plan.groups, plan.owner):  # a long sequence's chunks stay together on one rank
+            assert len({p.seq for c in g.chunks for p in c.pieces}) == 1 or len(g.chunks) == 1
+    with pytest.raises(ValueError, match="max_sequence_length=100"):
+        plan_step([50, 101], C, dp=1, max_length=100)
+
+
+# -- the prefix attention ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("s", "prefix", "nq", "nkv", "bias"), [(5, 0, 2, 2, False), (7, 9, 4, 2, True), (3, 16, 3, 1, False)]
+)
+def test_prefix_attention_matches_reference(s: int, prefix: int, nq: int, nkv: int, bias: bool) -> None:
+    torch.manual_seed(s + prefix)
+    d, b = 8, 2
+    dt = torch.float64
+    cos, sin = rope_tables(64, d, 10000.0, "cpu", dt)
+    qkv = torch.randn(s, b, (nq + 2 * nkv) * d, dtype=dt, requires_grad=True)
+    bias_t = torch.randn((nq + 2 * nkv) * d, dtype=dt, requires_grad=True) if bias else None
+    kp = torch.randn(b, nkv, prefix, d, dtype=dt, requires_grad=True)
+    vp = torch.randn(b, nkv, prefix, d, dtype=dt, requires_grad=True)
+
+    class Source:
+        got: tuple | None = None
+
+        def prefix(self):
+            return (kp.detach(), vp.detach()) if prefix else None
+
+        def add_grad(self, dk, dv):
+            self.got = (dk, dv)
+
+    src = Source()
+    outs = prefix_attention(qkv, nq, nkv, cos, sin, prefix, src, bias_t)
+    grads = [torch.randn_like(t) for t in outs]
+    torch.autograd.backward(outs, grads)
+    mine = [qkv.grad.clone()] + ([bias_t.grad.clone()] if bias else [])
+    qkv.grad = None
+    ref = prefix_attention_reference(qkv, nq, nkv, cos, sin, prefix, kp if prefix else None, vp, bias_t)
+    for a, r in zip(outs, ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+    if bias:
+        bias_t.grad = None
+    torch.autograd.backward(ref, grads)
+    torch.testing.assert_close(mine[0], qkv.grad, rtol=1e-10, atol=1e-10)
+    if bias:
+        torch.testing.assert_close(mine[1], bias_t.grad, rtol=1e-10, atol=1e-10)
+    if prefix:
+        torch.testing.assert_close(src.got[0], kp.grad, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(src.got[1], vp.grad, rtol=1e-10, atol=1e-10)
+    else:
+        assert src.got is None
+
+
+# -- training on chunks equals training each sequence whole --------------------------------------------------------
+class _Fixed:
+    """A sequence source whose every step is ``seqs``."""
+
+    def __init__(self, seqs):
+        self.seqs = seqs
+
+    def step_sequences(self, step, n):
+        assert n == len(self.seqs)
+        return list(enumerate(self.seqs))
+
+
+def _config(overrides: list[str]):
+    base = tiny(**TRAINING, train__global_batch_size=len(LENGTHS), train__micro_batch_size=1)
+    return load_config(None, base + ["chunkflow.enabled=true", "parallel.grad_bucket_numel=20000"] + overrides)
+
+
+def _whole_sequences(tr, seqs, weights: dict | None = None, kept: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every sequence alone, unchunked (its length padded to the SP shards with ignored labels): per-token losses,
+    and the summed loss / real tokens backward into the buckets (``weights``: (sequence, label) -> 0 or 1, summed
+    over ``kept`` tokens)."""
+    from megasparse.ops.compact import KeepHolder
+
+    stage, tp = tr.model.chunks[0], tr.lay.tp
+    real = kept or sum(len(s) - 1 for s in seqs)
+    tr.dp_opt.zero_grad(len(seqs))
+    per_seq, total = [], torch.zeros((), dtype=torch.float64)
+    for si, s in enumerate(seqs):
+        n = -(-(len(s) - 1) // tp) * tp
+        ids = torch.zeros(n, 1, dtype=torch.long)
+        ids[: len(s) - 1, 0] = torch.from_numpy(s[:-1])
+        targets = torch.full((n,), IGNORE, dtype=torch.long)
+        targets[: len(s) - 1] = torch.from_numpy(s[1:])
+        out = stage(ids.to(tr.device), targets.to(tr.device), KeepHolder()).float().cpu()
+        w = torch.ones_like(out)
+        if weights is not None:
+            w[: len(s) - 1] = torch.tensor([weights[(si, i)] for i in range(len(s) - 1)])
+        ((out * w).sum() / real).backward()
+        per_seq.append(out.detach()[: len(s) - 1])
+        total += out.detach().double().sum()
+
+    tr.dp_opt.reduce()
+    return per_seq, total / real
+
+
+def _chunked(tr, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The trainer's ChunkFlow step on ``seqs``: per-token losses gathered per sequence (first forwards only)."""
+    cf = tr.chunkflow
+    cf.source = _Fixed(seqs)
+    stage, got = cf.stage, []
+
+    class Recorder(torch.nn.Module):
+        first = last = True
+
+        def forward(self, ids, targets, keep, kv=None, docs=None):
+            out = stage(ids, targets, keep, **({"kv": kv} if docs is None else {"docs": docs}))
+            if kv is None or not kv.rerun:  # first forwards run group by group, chunk by chunk
+                got.append(out.detach().float().cpu())
+            return out
+
+    work = cf.batches(0)
+    cf.stage = Recorder()
+    try:
+        tr.dp_opt.zero_grad(len(work))
+        loss_sum, tokens = cf(work, True, 0)
+        tr.dp_opt.reduce()
+    finally:
+        cf.stage = stage
+    per_tok = {}  # (sequence, label index) -> loss, from each chunk's real slots
+    chunks = [c for group in work.groups for c in group.chunks]
+    assert len(got) == len(chunks)
+    for c, out in zip(chunks, got):
+        _, labels, starts = chunk_arrays(c, work.sequences, cf.c)
+        assert (out[torch.from_numpy(labels) == IGNORE] == 0).all()  # padding has no loss
+        for p, at in zip(c.pieces, starts):
+            for i in range(p.count - 1):
+                per_tok[(p.seq, p.start + i)] = out[at + i]
+    return per_tok, loss_sum, tokens, work
+
+
+def _grads(tr) -> dict[str, torch.Tensor]:
+    from megasparse.parallel.consolidate import full_state_dict
+
+    saved = {n: p.data.clone() for n, p in tr.model.named_parameters()}
+    for _, p in tr.model.named_parameters():
+        p.data.copy_(p.main_grad)
+    out = full_state_dict(tr.model)
+    for n, p in tr.model.named_parameters():
+        p.data.copy_(saved[n])
+    return out
+
+
+def _compare(overrides: list[str], keeps: list[int]) -> dict:
+    """On this rank: whole-sequence gradients, then ChunkFlow's with each K, and one optimizer step of each."""
+    from megasparse.train import Trainer
+
+    seqs = _sequences()
+    ref_tr = Trainer(_config(overrides))
+    per_seq, ref_mean = _whole_sequences(ref_tr, seqs)
+    out = {"ref_grads": _grads(ref_tr), "ref_mean": ref_mean.item(), "runs": {}, "chunks": 0}
+    for k in keeps:
+        tr = Trainer(_config(overrides + [f"chunkflow.max_chunks_in_memory={k}"]))
+        per_tok, loss_sum, tokens, work = _chunked(tr, seqs)
+        worst = max(abs(v.item() - per_seq[s][i].item()) / abs(per_seq[s][i].item()) for (s, i), v in per_tok.items())
+        assert len(per_tok) == work.plan.loads[tr.lay.dp_rank]  # every real token of this rank's chunks
+        out["chunks"] = len(work)
+        out["runs"][k] = {"per_token_rel": worst, "grads": _grads(tr), "sum": loss_sum.item(), "tokens": tokens}
+    # one optimizer step: the trainer's own step on chunks against the same step on whole sequences
+    real = sum(len(s) - 1 for s in seqs)
+
+    def whole_step() -> tuple[torch.Tensor, int]:
+        _, mean = _whole_sequences(ref_tr, seqs)
+        return mean * real, real
+
+    ref_tr.compute_gradients = whole_step
+    tr.chunkflow.source = _Fixed(seqs)
+    ref_tr.train_step(), tr.train_step()
+    from megasparse.parallel.consolidate import full_state_dict
+
+    out["weights"] = (full_state_dict(ref_tr.model), full_state_dict(tr.model))
+    return out
+
+
+def _compare_packed() -> tuple[float, float, int]:
+    """Short sequences packed several per chunk (document attention keeps them apart), long ones split."""
+    from megasparse.chunkflow.step import ChunkFlowStep
+    from megasparse.train import Trainer
+
+    seqs = _sequences()
+    ref_tr = Trainer(_config([]))
+    per_seq, _ = _whole_sequences(ref_tr, seqs)
+    ref = _grads(ref_tr)
+    tr = Trainer(_config([]))
+    tr.chunkflow = ChunkFlowStep(
+        tr.model, _Fixed(seqs), chunk_size=C, per_step=len(seqs), keep=1, dp=1, dp_rank=0, device=tr.device, eod=0
+    )
+    per_tok, _, _, work = _chunked(tr, seqs)
+    assert len(per_tok) == sum(len(s) - 1 for s in seqs)
+    tok = max(abs(v.item() - per_seq[s][i].item()) / abs(per_seq[s][i].item()) for (s, i), v in per_tok.items())
+    grads = _grads(tr)
+    return tok, max(_rel(grads[n], ref[n]) for n in ref), work.plan.num_chunks
+
+
+def test_packed_chunks_with_document_attention_train_like_whole_sequences() -> None:
+    pytest.importorskip("megasparse.ops.documents", reason="document attention (issue 30 item 1) not in this tree")
+    (res,) = run_distributed(_compare_packed, 1)
+    tok, grad, chunks = res
+    assert chunks < 4 + 2 + 5  # the five short sequences share chunks
+    assert tok < 1e-5 and grad < 1e-5, res
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _check(res: dict, dp: int = 1, tol: float = 1e-5) -> None:
+    real = sum(n - 1 for n in LENGTHS)
+    for k, run in res["runs"].items():
+        assert run["per_token_rel"] < tol, (k, run["per_token_rel"])
+        worst = max(_rel(run["grads"][n], res["ref_grads"][n]) for n in res["ref_grads"])
+        assert worst < tol, (k, worst)
+        assert run["tokens"] == real / dp
+    ref_w, cf_w = res["weights"]
+    assert max(_rel(cf_w[n], ref_w[n]) for n in ref_w) < tol
+
+
+@pytest.fixture(scope="module")
+def whole() -> dict:
+    """One process: whole-sequence gradients and step, and ChunkFlow's with K = 1, 2 and 4 (of 4 chunks)."""
+    return run_distributed(_compare, 1, [], [1, 2, 4])[0]
+
+
+def test_chunks_train_like_whole_sequences_tp1(whole: dict) -> None:
+    _check(whole)
+    sums = {round(r["sum"], 9) for r in whole["runs"].values()}
+    assert len(sums) == 1 and abs(sums.pop() / sum(n - 1 for n in LENGTHS) - whole["ref_mean"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_chunks_train_like_whole_sequences_tp2_sp() -> None:
+    """Each TP rank's heads keep their own keys/values; the sequence-sharded activations gather for attention."""
+    for r in run_distributed(_compare, 2, ["parallel.tp=2", "parallel.sequence_parallel=true"], [1, 4]):
+        _check(r)
+
+
+def _against_whole(grads: dict, weights: dict, whole: dict, tol: float = 1e-5) -> None:
+    assert max(_rel(grads[n], whole["ref_grads"][n]) for n in whole["ref_grads"]) < tol
+    ref_w = whole["weights"][0]
+    assert max(_rel(weights[n], ref_w[n]) for n in ref_w) < tol
+
+
+@pytest.mark.slow
+def test_chunks_train_like_whole_sequences_dp2(whole: dict) -> None:
+    """Ranks run different numbers of chunks (the plan deals whole groups) and the bucket hooks count each rank's
+    own backward passes; the reduced gradient and the step equal one process's on all sequences."""
+    res = run_distributed(_compare, 2, [], [1])
+    assert res[0]["chunks"] != res[1]["chunks"]  # 5 and 6 backward passes: each rank's hooks count its own
+    for r in res:
+        assert r["runs"][1]["per_token_rel"] < 1e-5
+        _against_whole(r["runs"][1]["grads"], r["weights"][1], whole)
+
+
+def _pipeline_step(overrides: list[str], keep: int) -> dict:
+    """ChunkFlow's gradients and one optimizer step through the pipeline (no whole-sequence reference here)."""
+    from megasparse.parallel.consolidate import full_state_dict
+    from megasparse.train import Trainer
+
+    tr = Trainer(_config(overrides + [f"chunkflow.max_chunks_in_memory={keep}"]))
+    tr.chunkflow.source = _Fixed(_sequences())
+    tr.compute_gradients()
+    grads = _grads(tr)
+    r = tr.train_step()
+    return {"grads": grads, "loss": r.loss, "weights": full_state_dict(tr.model), "real": r.extra["real_tokens"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "overrides"),
+    [(2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"])],
+    ids=["pp2", "tp2_pp2_sp"],
+)
+def test_chunks_through_the_pipeline_train_like_whole_sequences(whole: dict, world: int, overrides: list[str]):
+    """Long sequences pass the stages chunk by chunk (forwards in order, backwards in reverse, the K-bound rerun on
+    each stage from its kept input); the single-chunk ones as 1F1B micro-batches."""
+    for r in run_distributed(_pipeline_step, world, overrides, 1):
+        assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-5
+        assert r["real"] == sum(n - 1 for n in LENGTHS)
+        _against_whole(r["grads"], r["weights"], whole)
+
+
+def _compare_filtered(scorer: str) -> dict:
+    """filter.mode=loss_mask on chunks (K = 1) against whole sequences trained on the same kept tokens."""
+    from megasparse.chunkflow.plan import chunk_arrays as arrays_of
+    from megasparse.train import Trainer
+
+    seqs = _sequences()
+    ov = [
+        "filter.mode=loss_mask",
+        f"filter.scorer={scorer}",
+        "filter.keep_ratio=0.5",
+        "chunkflow.max_chunks_in_memory=1",
+    ]
+    tr = Trainer(_config(ov))
+    per_tok, _, _, work = _chunked(tr, seqs)
+    grads, sel = _grads(tr), tr.chunkflow.selection
+    ref_tr = Trainer(_config(ov))
+    per_seq, _ = _whole_sequences(ref_tr, seqs)
+    weights = {}  # the same selection, made from the whole sequences' per-token losses chunk by chunk
+    for c in [c for g in work.groups for c in g.chunks]:
+        _, labels, starts = arrays_of(c, seqs, C)
+        out = torch.zeros(C)
+        for p, at in zip(c.pieces, starts):
+            out[at : at + p.count - 1] = per_seq[p.seq][p.start : p.start + p.count - 1]
+        w = sel.weights(out, labels, c, 0)
+        real = torch.from_numpy(labels) != IGNORE
+        assert w[~real].sum() == 0  # padding is never kept
+        if scorer == "loss" and w[real].sum() < real.sum():  # the hardest real tokens of the chunk
+            assert out[real & (w == 1)].min() >= out[real & (w == 0)].max()
+        for p, at in zip(c.pieces, starts):
+            for i in range(p.count - 1):
+                weights[(p.seq, p.start + i)] = w[at + i].item()
+    kept = sel.kept(work.plan)
+    assert sum(weights.values()) == kept
+    _whole_sequences(ref_tr, seqs, weights, kept)
+    ref = _grads(ref_tr)
+    return {"grad": max(_rel(grads[n], ref[n]) for n in ref), "last": tr.chunkflow.last, "kept": kept}
+
+
+@pytest.mark.parametrize("scorer", ["loss", "random"])
+def test_loss_mask_filtering_on_chunks_keeps_real_tokens_only(scorer: str) -> None:
+    (res,) = run_distributed(_compare_filtered, 1, scorer)
+    real = sum(n - 1 for n in LENGTHS)
+    assert res["grad"] < 1e-5, res
+    assert res["last"]["real_kept_share"] == res["kept"] / real and 0.5 <= res["kept"] / real < 0.6
+
+
+# -- memory follows K -------------------------------------------------------------------------------------------------
+def _saved_peak(n_chunks: int, keep: int) -> int:
+    from megasparse.chunkflow.step import ChunkFlowStep
+    from megasparse.train import Trainer
+
+    tr = Trainer(_config([]))
+    seqs = _sequences([n_chunks * C + 1])
+    step = ChunkFlowStep(tr.model, _Fixed(seqs), chunk_size=C, per_step=1, keep=keep, dp=1, dp_rank=0, device=tr.device)
+    live, peak = [0, 0], [0, 0]  # saved tensors, their bytes
+
+    stage = tr.model.chunks[0]
+
+    class Held:
+        def __init__(self, t):
+            tables = {x.untyped_storage().data_ptr() for x in (stage.rope_cos, stage.rope_sin)}
+            shared = t.untyped_storage().data_ptr() in tables  # the RoPE tables: one copy, grown to the length
+            self.t, self.bytes = t, 0 if shared else t.numel() * t.element_size()
+            live[0] += 1
+            live[1] += self.bytes
+            peak[0], peak[1] = max(peak[0], live[0]), max(peak[1], live[1])
+
+        def __del__(self):
+            live[0] -= 1
+            live[1] -= self.bytes
+
+    work = step.batches(0)
+    tr.dp_opt.zero_grad(len(work))
+    with torch.autograd.graph.saved_tensors_hooks(Held, lambda h: h.t):
+        step(work, True, 0)
+    assert live == [0, 0]
+    return tuple(peak)
+
+
+def test_saved_activations_follow_k_not_the_chunk_count() -> None:
+    def peaks():
+        return {(n, k): _saved_peak(n, k) for n in (2, 5) for k in (1, 2, 5)}
+
+    (p,) = run_distributed(peaks, 1)
+    # K fixed: as many saved tensors and bytes at 5 chunks as at 2 (the K/V store is not an activation: it is the
+    # sequence's state, decision 1220)
+    assert p[(2, 1)] == p[(5, 1)] and p[(2, 2)] == p[(5, 2)], p
+    assert p[(5, 1)][0] < p[(5, 2)][0] < p[(5, 5)][0]  # and each kept chunk costs its activations
+    assert p[(5, 5)][1] > p[(2, 5)][1] > p[(2, 1)][1]
+
+
+# -- the config -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["chunkflow.max_chunks_in_memory=0"], "max_chunks_in_memory=0 must be >= 1"),
+        (["train.micro_batch_size=2"], "set train.micro_batch_size=1"),
+        (["parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=4"], "parallel.virtual_stages > 1"),
+        (["parallel.pp=2", "loss.vocab_over_pp=true"], "loss.vocab_over_pp"),
+        (["filter.mode=collider"], "filter.mode=collider"),
+        (["filter.mode=loss_mask", "filter.scorer=excess"], "filter.scorer=excess"),
+        (["model.recompute=full"], "model.recompute=full"),
+        (["chunkflow.max_sequence_length=1"], "max_sequence_length=1 must be >= 2"),
+        (
+            ["model.rope_scaling=llama3", "model.rope_original_max_positions=64", "chunkflow.max_sequence_length=1024"],
+            "the 512 positions",
+        ),
+        (["chunkflow.chunk_size=32"], "differs from model.seq_length=16"),
+        (["train.global_batch_size=1", "chunkflow.chunk_size=16", "train.cuda_graphs=true"], None),
+    ],
+)
+def test_bad_chunkflow_configs_are_one_line(overrides: list[str], match: str | None) -> None:
+    cfg = load_config(None, tiny(train__micro_batch_size=1) + ["chunkflow.enabled=true"] + overrides)
+    if match is None:
+        assert cfg.validate(1) == 1
+        return
+    world = 2 if "parallel.pp=2" in overrides else 1
+    with pytest.raises(ConfigError, match=match) as e:
+        cfg.validate(world)
+    assert "\n" not in str(e.value)
+
+
+def test_chunkflow_runs_eagerly_and_says_why() -> None:
+    """``train.cuda_graphs`` (on by default) is no error: the chunks run eagerly and the banner's graphs line says
+    why (the DP buckets then overlap from their hooks)."""
+    from megasparse.cudagraph import capture_blocker
+    from megasparse.step.build import components_for_capture_check
+
+    for pp in (1, 2):
+        cfg = load_config(None, tiny(train__micro_batch_size=1) + ["chunkflow.enabled=true", f"parallel.pp={pp}"])
+        why = capture_blocker(cfg, pp, torch.device("cuda", 0), components_for_capture_check(cfg))
+        assert why is not None and "chunkflow.enabled" in why
