@@ -89,16 +89,16 @@ MCORE = "mcore-fixed"
 
 
 def chunkflow_overrides(a: argparse.Namespace) -> list[str]:
-    """HOOK for ChunkFlow (megasparse/chunkflow/, its engineer owns the keys): the chunkflow mode's trainer config,
-    on top of the layout's and the data's. The trainer reads whole sequences through
-    ``SequenceDataset.step_sequences`` and should report the step's global real tokens in
-    ``StepResult.extra["real_tokens"]``; until ``chunkflow.*`` exists this mode is reported "not available"."""
+    """The chunkflow mode's trainer config (docs/chunkflow.md), on top of the layout's and the data's: whole
+    sequences through ``SequenceDataset.step_sequences``, one chunk per micro-batch; the trainer reports the step's
+    global real tokens in ``StepResult.extra["real_tokens"]``."""
     return [
         "chunkflow.enabled=true",
         f"chunkflow.chunk_size={a.chunk_size}",
         f"chunkflow.max_chunks_in_memory={a.max_chunks}",
         "data.document_attention=true",
         f"model.seq_length={a.chunk_size}",  # a chunk is a micro-batch window
+        "train.micro_batch_size=1",
     ]
 
 
