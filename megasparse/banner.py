@@ -64,13 +64,15 @@ def format_banner(cfg: Config, f: RunFacts) -> str:
     m, p, t, fl, sp = cfg.model, cfg.parallel, cfg.train, cfg.filter, cfg.sparsity
     params = sum(param_counts(m, f.vocab_padded))
     dtype = str(f.dtype).replace("torch.", "")
-    tokens_step = t.global_batch_size * m.seq_length
+    per_step = f"{t.global_batch_size} x {m.seq_length} = {short_count(t.global_batch_size * m.seq_length)} tokens"
+    mbs = f"{f.num_microbatches} micro-batches/step"
+    if cfg.chunkflow.enabled:  # whole sequences of any length: the chunk count changes from step to step
+        per_step, mbs = f"{t.global_batch_size} whole sequences", "a micro-batch per chunk"
     lines = [
         f"megasparse: {m.num_layers} layers, hidden {m.hidden_size}, vocab {f.vocab} (padded {f.vocab_padded}), "
-        f"{short_count(params)} parameters | {f.device.type} {dtype} | {t.steps} steps of {t.global_batch_size} x "
-        f"{m.seq_length} = {short_count(tokens_step)} tokens",
+        f"{short_count(params)} parameters | {f.device.type} {dtype} | {t.steps} steps of {per_step}",
         f"  layout     world {f.world} = tp {p.tp} x pp {p.pp} x dp {f.dp} | sequence parallel "
-        f"{_onoff(p.sequence_parallel)} | virtual stages {p.virtual_stages} | {f.num_microbatches} micro-batches/step",
+        f"{_onoff(p.sequence_parallel)} | virtual stages {p.virtual_stages} | {mbs}",
     ]
     if cfg.chunkflow.enabled:
         lines.append(f"  chunkflow  {chunkflow_line(cfg)}")

@@ -205,7 +205,8 @@ class Trainer:
             tok_s = r.tokens * self.dp / r.seconds / n_world  # global tokens over all GPUs, per GPU
             rec = step_record(self.step, r.loss, r.grad_norm, r.lr, tok_s, self.flops_tok, self.peak, self.device)
             rec.update(step_time_s=r.seconds, **r.extra)
-            rec.update(progress.fields(self.step, r.seconds, self.consumed * cfg.model.seq_length, kept_share))
+            seen = r.extra.get("tokens_seen", self.consumed * cfg.model.seq_length)  # chunkflow: real ones
+            rec.update(progress.fields(self.step, r.seconds, seen, kept_share))
             if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps):
                 rec["val_loss"] = self.evaluate()
             history.append(rec)

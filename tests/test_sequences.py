@@ -87,6 +87,8 @@ def test_step_sequences_are_seeded_global_and_resume_exactly(mixed):
             assert g0 == g1
             np.testing.assert_array_equal(a, b)
         assert again.step_lengths(step, 5).tolist() == [len(t) for _, t in run[step]]
+        # what a resumed run reports as trained so far: every earlier sequence's predictions, across epochs
+        assert again.predictions_before(step * 5) == sum(len(t) - 1 for prior in run[:step] for _, t in prior)
     assert [valid.global_index(g) for g in range(len(valid))] == list(range(len(valid)))  # valid: file order
     with pytest.raises(ConfigError, match="n >= 1"):
         train.step_sequences(0, 0)

@@ -1,4 +1,4 @@
-"""ChunkFlow (issue 30): whole variable-length sequences as equal chunks, a long sequence's chunks run in causal
+"""ChunkFlow: whole variable-length sequences as equal chunks, a long sequence's chunks run in causal
 order over the earlier chunks' keys/values under a bound of K chunks of activations (decisions 1220-1222).
 
 ``plan.py``: the step's chunks and which DP rank runs them (host-side, the same on every rank); ``state.py``: one

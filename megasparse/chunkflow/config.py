@@ -9,7 +9,7 @@ from megasparse.configbase import ConfigError
 
 @dataclass
 class ChunkFlowConfig:
-    """ChunkFlow (issue 30, decisions 1220-1222): each step's whole sequences are packed (short ones) or split
+    """ChunkFlow (decisions 1220-1222): each step's whole sequences are packed (short ones) or split
     (long ones) into chunks of ``model.seq_length`` tokens, which run as the step's micro-batches; a long
     sequence's chunks run in order, each attending to the earlier chunks' keys/values, and peak activation memory
     follows ``max_chunks_in_memory`` chunks instead of the longest sequence. The chunk size *is*

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 
 from megasparse.chunkflow.config import sequence_limit
-from megasparse.configbase import ConfigError
 
 __all__ = ["LongTailSequences", "sequence_source"]
 
@@ -37,6 +36,10 @@ class LongTailSequences:
         tokens[-1] = 0
         return tokens
 
+    def predictions_before(self, g: int) -> int:
+        """Next-token predictions of sequences ``0 ... g - 1`` (the tokens trained before a resume at ``g``)."""
+        return sum(self.length(i) - 1 for i in range(g))
+
     def step_sequences(self, step: int, n: int) -> list[tuple[int, np.ndarray]]:
         """``(g, tokens)`` of optimizer step ``step``'s ``n`` sequences (global ``step·n … step·n + n − 1``)."""
         return [(g, self.sequence(g)) for g in range(step * n, step * n + n)]
@@ -48,11 +51,7 @@ def sequence_source(cfg, vocab: int):
     limit = sequence_limit(cfg)
     if cfg.data.prefix == "synthetic":
         return LongTailSequences(vocab, limit or 64 * cfg.model.seq_length, cfg.data.seed)
-    try:
-        from megasparse.data.sequences import build_sequence_datasets
-    except ImportError as e:  # the variable-length data (issue 30, item 2) is not in this tree yet
-        raise ConfigError(
-            "chunkflow.enabled=true on a corpus needs megasparse/data/sequences.py; use data.prefix=synthetic"
-        ) from e
+    from megasparse.data.sequences import build_sequence_datasets
+
     train, _, _ = build_sequence_datasets(cfg.data, max_length=limit, vocab_size=vocab)
     return train

@@ -1,4 +1,4 @@
-"""Token filtering on chunks (``filter.mode=loss_mask``, issue 30 item 4): Rho-1's selection over each chunk's real
+"""Token filtering on chunks (``filter.mode=loss_mask``, decision 1222): Rho-1's selection over each chunk's real
 predictions only, with ``filtering/selection.py``'s scorers and top-k.
 
 A chunk's candidates are its real label slots (padding and the slots between packed documents are never scored,

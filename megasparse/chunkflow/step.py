@@ -26,6 +26,7 @@ from megasparse.chunkflow.filter import ChunkSelection
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.state import ChunkKV, run_group
 from megasparse.ops.compact import KeepHolder
+from megasparse.ops.documents import DocSpans
 from megasparse.parallel.pipeline import StageComm, one_f_one_b
 
 __all__ = ["ChunkFlowStep", "RankChunks", "chunk_step"]
@@ -61,14 +62,14 @@ class ChunkFlowStep:
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
         self.pack, self.selection = eod is not None, selection
+        self.seen: int | None = None
+        """Real predictions trained so far, over all ranks (counted from the data at the first step: resumes too)."""
         self.last: dict = {}
         """The last step's metrics: real predictions, chunks, their fill (real / label slots) and, filtering, the
         kept share of the real predictions, over all ranks."""
 
     def _documents(self, ids: torch.Tensor) -> dict:
         """A packed chunk's documents for the model (document attention: decision 1200's ``DocSpans``)."""
-        from megasparse.ops.documents import DocSpans  # issue 30 item 1 (document attention)
-
         return {"docs": DocSpans.from_ids(ids, self.eod)}
 
     def batches(self, step: int) -> RankChunks:
@@ -94,7 +95,10 @@ class ChunkFlowStep:
                 lambda i, out, g: torch.autograd.backward(out, g),
             )  # fmt: skip
         fill = plan.real_tokens / max(plan.slots, 1)
-        self.last = dict(real_tokens=plan.real_tokens, chunks=plan.num_chunks, chunk_fill=fill)
+        if self.seen is None:
+            self.seen = self.source.predictions_before(step_no * self.per_step)
+        self.seen += plan.real_tokens
+        self.last = dict(real_tokens=plan.real_tokens, chunks=plan.num_chunks, chunk_fill=fill, tokens_seen=self.seen)
         if sel is not None:
             self.last["real_kept_share"] = kept / max(plan.real_tokens, 1)
         return loss_sum, work.plan.real_tokens / self.dp

@@ -122,6 +122,17 @@ class SequenceDataset:
         """Tokens of the ``g``-th sequence of the endless stream."""
         return self.sequence(self.global_index(g, seed))
 
+    def predictions_before(self, g: int, seed: int | None = None) -> int:
+        """Next-token predictions (tokens - 1 per sequence) of global sequences ``0 ... g - 1``: the tokens a run
+        has trained when it resumes at global sequence ``g`` (whole epochs from the split's total, the partial one
+        from its order), from the index alone."""
+        if g <= 0 or len(self) == 0:
+            return 0
+        preds = np.maximum(self.lengths - 1, 0)
+        epochs, rest = divmod(g, len(self))
+        partial = int(preds[self.epoch_order(epochs, seed)[:rest]].sum()) if rest else 0
+        return epochs * int(preds.sum()) + partial
+
     def step_sequences(self, step: int, n: int, seed: int | None = None) -> list[tuple[int, np.ndarray]]:
         """``(g, tokens)`` of the ``n`` sequences optimizer step ``step`` reads: global ``step*n ... step*n+n-1``.
 
