@@ -342,3 +342,29 @@ def test_benchmark_small_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (case,) = json.loads(out.read_text())["cases"]
     assert case["documents"] > 1 and case["attn_documents_ms"] > 0 and "overhead_pct" in case
+
+
+def _scores_worker() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from megasparse.config import load_config
+    from megasparse.model.builder import InferenceModel
+    from megasparse.train import Trainer
+
+    with packed_documents():
+        tr = Trainer(load_config(None, MODEL), init_groups=True)
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(0, DOC_EOD, (5,), generator=gen)
+    first[-1] = DOC_EOD
+    second = torch.randint(0, DOC_EOD, (11,), generator=gen)
+    window = torch.cat([first, second]).view(-1, 1)
+    scorer, plain = InferenceModel(tr.model, eod=DOC_EOD), InferenceModel(tr.model)
+    return scorer.token_losses(window), plain.token_losses(window), scorer.token_losses(second.view(-1, 1))
+
+
+def test_reference_scores_follow_document_attention():
+    """``ref score`` and the online reference model score a token within its own document when the run trains
+    with document attention: the second document of a window scores as it does alone (its first token is
+    predicted from the first document's EOD, which belongs to that document)."""
+    docs, plain, alone = run_distributed(_scores_worker, 1)[0]
+    torch.testing.assert_close(docs[6:], alone[1:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(docs[:5], plain[:5], rtol=1e-5, atol=1e-6)  # the first document: nothing before it
+    assert (plain[6:] - alone[1:]).abs().max() > 1e-3  # without the mask the context leaks across the EOD

@@ -24,6 +24,7 @@ from megasparse.data.batch import Batch
 from megasparse.filtering.config import FilterConfig
 from megasparse.filtering.selection import KeepMask, kept_total, score_tokens, select_tokens, static_counts
 from megasparse.ops.compact import KeepHolder, KeepMeta
+from megasparse.ops.documents import DocSpans
 
 __all__ = ["TokenFilter", "build_reference"]
 
@@ -148,7 +149,8 @@ def build_reference(
     """The ``filter.reference`` source: a sidecar over the training ``.bin``, an n-gram model, or a model."""
     f = cfg.filter
     if f.reference == "model":
-        return _reference_model(cfg, vocab, device, compute_dtype)
+        eod = getattr(train_ds, "eod_id", None) if cfg.data.document_attention else None
+        return _reference_model(cfg, vocab, device, compute_dtype, eod)
     from megasparse.data.dataset import BlendedDataset, PackedDataset
     from megasparse.filtering.reference import ReferenceLosses
 
@@ -165,8 +167,11 @@ def build_reference(
     return ReferenceLosses.from_config(f, cfg.data.ref_losses, prefix)
 
 
-def _reference_model(cfg: Config, vocab: int, device: torch.device, compute_dtype: torch.dtype) -> Reference:
-    """Same-architecture reference model run online (slowest source; for comparison with n-gram/sidecar)."""
+def _reference_model(
+    cfg: Config, vocab: int, device: torch.device, compute_dtype: torch.dtype, eod: int | None = None
+) -> Reference:
+    """Same-architecture reference model run online (slowest source; for comparison with n-gram/sidecar). ``eod``:
+    under ``data.document_attention`` it scores each token within its own document, as the model trains."""
     from megasparse import checkpoint as ckpt
     from megasparse.model.builder import build_model
 
@@ -180,6 +185,7 @@ def _reference_model(cfg: Config, vocab: int, device: torch.device, compute_dtyp
     @torch.no_grad()
     def losses(ids: torch.Tensor, labels: torch.Tensor, _positions: torch.Tensor | None = None) -> torch.Tensor:
         ids, labels = ids.to(device), labels.to(device)
-        return ref(ids.contiguous(), labels.reshape(-1), KeepHolder()).view(labels.shape)
+        docs = None if eod is None else DocSpans.from_ids(ids, eod)
+        return ref(ids.contiguous(), labels.reshape(-1), KeepHolder(), docs=docs).view(labels.shape)
 
     return losses

@@ -14,6 +14,7 @@ from megasparse import checkpoint as ckpt
 from megasparse.config import Config
 from megasparse.model.gpt import GPTStage, StageChunks
 from megasparse.ops.compact import KeepHolder
+from megasparse.ops.documents import DocSpans
 from megasparse.parallel import state
 
 __all__ = [
@@ -92,15 +93,18 @@ def build_model(
 class InferenceModel(torch.nn.Module):
     """A single-stage model that scores token streams (``megasparse ref score``)."""
 
-    def __init__(self, stage: GPTStage):
+    def __init__(self, stage: GPTStage, eod: int | None = None):
+        """``eod``: the end-of-document id when the model was trained with ``data.document_attention`` (a token's
+        loss is then given its own document only, as in training); None: every window is one context."""
         super().__init__()
-        self.stage = stage
+        self.stage, self.eod = stage, eod
 
     @torch.no_grad()
     def token_losses(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [s, b] -> [s, b]: out[t] is the loss of tokens[t] given tokens[:t]; out[0] = 0."""
+        """tokens [s, b] -> [s, b]: out[t] is the loss of tokens[t] given tokens[:t] (of its document); out[0] = 0."""
         targets = torch.cat([tokens[1:], torch.full_like(tokens[:1], -100)])
-        per_tok = self.stage(tokens.contiguous(), targets.reshape(-1), KeepHolder()).view(tokens.shape)
+        docs = None if self.eod is None else DocSpans.from_ids(tokens, self.eod)
+        per_tok = self.stage(tokens.contiguous(), targets.reshape(-1), KeepHolder(), docs=docs).view(tokens.shape)
         return torch.cat([torch.zeros_like(per_tok[:1]), per_tok[:-1]])
 
 
@@ -115,11 +119,12 @@ def load_model_for_inference(cfg: Config, ckpt_dir: str) -> InferenceModel:
     cfg.validate(state.world_env()[1])
     from megasparse.data.dataset import build_data
 
-    vocab = build_data(cfg)[2]
+    train_ds, _, vocab = build_data(cfg)
+    eod = getattr(train_ds, "eod_id", None) if cfg.data.document_attention else None
     if not dist.is_initialized():
         state.init(1, 1, False, cfg.dist_backend())
     device = resolve_device(cfg)
     model = build_model(cfg, vocab, device=device, compute_dtype=resolve_dtype(cfg, device))
     ckpt.load_weights(ckpt_dir, model)
     model.eval()
-    return InferenceModel(model)
+    return InferenceModel(model, eod)
