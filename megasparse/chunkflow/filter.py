@@ -1,11 +1,12 @@
-"""Token filtering on chunks (``filter.mode=loss_mask``, decision 1222): Rho-1's selection over each chunk's real
-predictions only, with ``filtering/selection.py``'s scorers and top-k.
+"""Token filtering on chunks (``filter.mode=loss_mask`` and ``collider``, decisions 1222 and 1223): Rho-1's selection
+over each chunk's real predictions only, with ``filtering/selection.py``'s scorers and top-k.
 
 A chunk's candidates are its real label slots (padding and the slots between packed documents are never scored,
 so never kept); it keeps ``ceil(keep_ratio · real)`` of them, a count the plan fixes, so the step's kept total —
 the loss normaliser — is known on every rank. The selection reads only the chunk's own per-token losses (or a
-generator seeded by the step and the chunk's first token), so a rerun chunk selects the same tokens. Collider's
-compact backward is not built for chunks (decision 1222).
+generator seeded by the step and the chunk's first token), so a rerun chunk would select the same tokens (the step
+reuses the first forward's anyway). Under collider the step hands the kept rows to the loss layer, and the chunk's
+backward is compact (``ops/prefix_attention.py`` across chunk boundaries, decision 1223).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class ChunkSelection:
     keep_ratio: float
     scorer: str
     seed: int = 0
+    collider: bool = False
+    """``filter.mode=collider``: the kept rows also get the compact backward (else loss_mask: a dense one)."""
 
     def kept(self, plan: StepPlan) -> int:
         """The step's kept predictions over every rank (the loss normaliser)."""

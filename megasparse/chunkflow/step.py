@@ -5,8 +5,9 @@ and returns this rank's groups; ``len()`` of them is the number of backward pass
 hooks count (``zero_grad(len(batches))``). Calling the step runs each group (``state.run_group``: a long sequence's
 chunks forward in order, backward in reverse) and returns the summed per-token loss and this rank's share of the
 step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
-is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask``), known on every rank
-from the plan: no collective.
+is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask`` or ``collider``), known
+on every rank from the plan: no collective. Under collider the kept rows also go to the loss layer (``KeepHolder``),
+so the chunk's backward is compact, across chunk boundaries too (decision 1223).
 
 The order is group by group (all chunks of one sequence, forwards then reversed backwards, through every stage);
 then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this is not a
@@ -25,7 +26,7 @@ from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.filter import ChunkSelection
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.state import ChunkKV, run_group
-from megasparse.ops.compact import KeepHolder
+from megasparse.ops.compact import KeepHolder, KeepMeta
 from megasparse.ops.documents import DocSpans
 from megasparse.parallel.pipeline import StageComm, one_f_one_b
 
@@ -55,7 +56,8 @@ class ChunkFlowStep:
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
         per chunk. ``p2p``: the stage's transfers (pipeline stages; None: a single stage, every group through
-        ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` over each chunk's real tokens."""
+        ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` or ``collider`` over each chunk's real
+        tokens."""
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
         self.p2p = p2p
@@ -110,17 +112,27 @@ class ChunkFlowStep:
         ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
         targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
         packed = len(group.chunks) == 1 and self.pack  # whole documents from position 0: no state to carry
-        stage = self.stage
+        stage, chosen = self.stage, {}
 
         def forward(j: int, x: torch.Tensor | None, kv: ChunkKV | None, first: bool) -> torch.Tensor:
             ctx = self._documents(ids[j]) if packed else ({} if kv is None else {"kv": kv})
-            out = stage(ids[j] if stage.first else x, targets[j], KeepHolder(), **ctx)
+            keep = KeepHolder()
+            out = stage(ids[j] if stage.first else x, targets[j], keep, **ctx)
             if not stage.last:
                 return out
             if first:
                 loss_sum.add_(out.detach().double().sum())  # per-token losses, 0 at padding (ignored labels)
-            if self.selection is not None:  # filter.mode=loss_mask: only the kept real tokens train
-                out = out * self.selection.weights(out, arrays[j][1], group.chunks[j], step)
+            sel = self.selection
+            if sel is not None:  # only the kept real tokens train
+                if j not in chosen:  # a rerun keeps the first forward's tokens (the later chunks trained on them)
+                    chosen[j] = sel.weights(out, arrays[j][1], group.chunks[j], step)
+                w = chosen[j]
+                if sel.collider:  # the compact backward from the loss layer on (decision 1223)
+                    rows = w.nonzero()[:, 0]
+                    keep.meta = KeepMeta(rows, out.numel(), 1, seq_count=rows.numel())
+                    if kv is not None and first:
+                        kv.keep_rows(rows)
+                out = out * w
             return out.sum() / normaliser
 
         return forward
@@ -145,4 +157,6 @@ def chunk_step(
 
 def _selection(cfg) -> ChunkSelection | None:
     f = cfg.filter
-    return ChunkSelection(f.keep_ratio, f.scorer, cfg.train.seed) if f.mode == "loss_mask" else None
+    if f.mode == "off":
+        return None
+    return ChunkSelection(f.keep_ratio, f.scorer, cfg.train.seed, collider=f.mode == "collider")
