@@ -393,15 +393,19 @@ def test_chunks_train_like_whole_sequences_dp2(whole: dict) -> None:
 
 def _pipeline_step(overrides: list[str], keep: int) -> dict:
     """ChunkFlow's gradients and one optimizer step through the pipeline (no whole-sequence reference here)."""
+    from megasparse.ops.compact import densify_count
     from megasparse.parallel.consolidate import full_state_dict
     from megasparse.train import Trainer
 
     tr = Trainer(_config(overrides + [f"chunkflow.max_chunks_in_memory={keep}"]))
     tr.chunkflow.source = _Fixed(_sequences())
+    before = densify_count()
     tr.compute_gradients()
+    densified = densify_count() - before
     grads = _grads(tr)
     r = tr.train_step()
-    return {"grads": grads, "loss": r.loss, "weights": full_state_dict(tr.model), "real": r.extra["real_tokens"]}
+    out = {"grads": grads, "loss": r.loss, "weights": full_state_dict(tr.model), "real": r.extra["real_tokens"]}
+    return out | {"densified": densified}
 
 
 @pytest.mark.slow
@@ -471,7 +475,7 @@ def _compare_filtered(scorer: str, mode: str = "loss_mask", keeps=(1,), pack: bo
             "chunks": work.plan.num_chunks,
             "last": tr.chunkflow.last,
         }
-    return {"runs": runs, "kept": kept}
+    return {"runs": runs, "kept": kept, "ref_grads": ref[0]}
 
 
 def _check_filtered(res: dict, tol: float = 1e-5) -> None:
@@ -505,6 +509,17 @@ def test_collider_on_chunks_equals_whole_sequence_collider_tp2_sp() -> None:
     sp = ("parallel.tp=2", "parallel.sequence_parallel=true")
     for res in run_distributed(_compare_filtered, 2, "random", "collider", (1, 4), False, sp):
         _check_filtered(res)
+
+
+@pytest.mark.slow
+def test_collider_on_chunks_through_the_pipeline() -> None:
+    """pp 2, K = 1: each chunk's compact gradient crosses the stages with its own kept count (from the plan), and
+    the first stage learns the earlier chunks' kept rows before its backwards; equals whole-sequence collider."""
+    (ref,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), False)
+    collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.5"]
+    for r in run_distributed(_pipeline_step, 2, ["parallel.pp=2", *collider], 1):
+        assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5
+        assert r["densified"] == 0
 
 
 # -- memory follows K -------------------------------------------------------------------------------------------------
@@ -560,7 +575,6 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
         (["train.micro_batch_size=2"], "set train.micro_batch_size=1"),
         (["parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=4"], "parallel.virtual_stages > 1"),
         (["parallel.pp=2", "loss.vocab_over_pp=true"], "loss.vocab_over_pp"),
-        (["parallel.pp=2", "filter.mode=collider"], "filter.mode=collider under parallel.pp > 1"),
         (["filter.mode=loss_mask", "filter.scorer=excess"], "filter.scorer=excess"),
         (["model.recompute=full"], "model.recompute=full"),
         (["chunkflow.max_sequence_length=1"], "max_sequence_length=1 must be >= 2"),

@@ -34,7 +34,11 @@ class ChunkSelection:
 
     def kept(self, plan: StepPlan) -> int:
         """The step's kept predictions over every rank (the loss normaliser)."""
-        return sum(kept_count(c.real, self.keep_ratio) for g in plan.groups for c in g.chunks)
+        return sum(self.count(c) for g in plan.groups for c in g.chunks)
+
+    def count(self, chunk: Chunk) -> int:
+        """The chunk's kept predictions (every stage knows it from the plan)."""
+        return kept_count(chunk.real, self.keep_ratio)
 
     def weights(self, per_token: torch.Tensor, labels: np.ndarray, chunk: Chunk, step: int) -> torch.Tensor:
         """[C]: 1 at the chunk's kept real predictions, else 0 (``labels``: the chunk's, IGNORE where not real)."""

@@ -135,7 +135,14 @@ def _entry(x: torch.Tensor | None, holder: dict) -> torch.Tensor | None:
     return None if x is None else catch_grad(x.requires_grad_(), holder)
 
 
-def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, p2p: StageComm | None = None) -> None:
+def run_group(
+    forward: Forward,
+    offsets: list[int],
+    chunk_size: int,
+    keep: int,
+    p2p: StageComm | None = None,
+    kept: list[int] | None = None,
+) -> None:
     """Chunks of one group forward in order, backward in reverse; at most ``keep`` (K >= 1) keep their graphs
     from the forward, the others rerun theirs just before their backward.
 
@@ -143,7 +150,12 @@ def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, 
     order, receiving each chunk's input from the previous stage and sending its output on, then the backwards in
     reverse order, receiving output gradients and sending input gradients back: both ends of every link see the
     same order. A rerun starts from the chunk's received input, kept (detached) from its first forward: the
-    recompute is local to each stage, no transfer is repeated."""
+    recompute is local to each stage, no transfer is repeated.
+
+    ``kept`` (collider): each chunk's kept count. Through the pipeline the last stage's selection (made in its
+    forwards) then passes down to every stage between the forwards and the backwards (``StageComm.pass_back``):
+    an earlier stage's compact backward of chunk j reads the kept rows of chunks < j before their gradients
+    arrive."""
     n = len(offsets)
     store = KVStore(n, chunk_size)
     live: dict[int, tuple[torch.Tensor, ChunkKV, dict]] = {}
@@ -162,6 +174,10 @@ def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, 
         if p2p is not None:
             p2p.send_forward(out)  # (the last stage has no next: its loss stays)
         del out
+    if kept is not None and p2p is not None:
+        mine = torch.cat([store.kept[j] for j in range(n)]) if store.kept else None  # (the last stage's)
+        every = p2p.pass_back(mine, sum(kept))
+        store.kept = dict(enumerate(every.split(kept)))
     for j in reversed(range(n)):
         g = None
         if p2p is not None:

@@ -16,6 +16,7 @@ then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +61,7 @@ class ChunkFlowStep:
         tokens."""
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
-        self.p2p = p2p
+        self.p2p = p2p if p2p is None or selection is None or not selection.collider else _KeptCounts(p2p)
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
         self.pack, self.selection = eod is not None, selection
@@ -84,13 +85,20 @@ class ChunkFlowStep:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         plan, sel = work.plan, self.selection
         kept = plan.real_tokens if sel is None else sel.kept(plan)
-        singles = []
+        singles, counted = [], isinstance(self.p2p, _KeptCounts)
+        if counted:  # each chunk's kept count, in the order their gradients arrive: groups reversed, then singles
+            long = [g for g in work.groups if len(g.chunks) > 1]
+            short = [g for g in work.groups if len(g.chunks) == 1]
+            self.p2p.expect(
+                [sel.count(c) for g in long for c in reversed(g.chunks)] + [sel.count(g.chunks[0]) for g in short]
+            )
         for group in work.groups:
             fwd = self._forward(group, work.sequences, loss_sum, max(kept, 1), step_no)
             if len(group.chunks) == 1 and self.p2p is not None:
                 singles.append(fwd)  # no state: ordinary 1F1B micro-batches, after the long sequences
             else:
-                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p)
+                counts = [sel.count(c) for c in group.chunks] if counted else None
+                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p, counts)
         if singles:
             one_f_one_b(
                 len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
@@ -136,6 +144,30 @@ class ChunkFlowStep:
             return out.sum() / normaliser
 
         return forward
+
+
+class _KeptCounts:
+    """The stage's transfers, collider under ``parallel.pp > 1``: a compact gradient's receive must know its kept
+    count ahead (``P2PSpec.kept_rows``), and chunks keep different counts, known from the plan. ``expect`` lists
+    them in the order the step's backwards receive their gradients; each receive takes the next."""
+
+    def __init__(self, p2p: StageComm):
+        self.p2p, self.queue, self.now = p2p, deque(), 0
+        p2p.spec.kept_rows, p2p.spec.seq_count, p2p.spec.shards = lambda: self.now, None, 1
+
+    def expect(self, counts: list[int]) -> None:
+        self.queue = deque(counts)
+
+    def __getattr__(self, name: str):
+        return getattr(self.p2p, name)
+
+    def recv_backward(self) -> torch.Tensor | None:
+        self.now = self.queue.popleft()
+        return self.p2p.recv_backward()
+
+    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor | None:
+        self.now = self.queue.popleft()
+        return self.p2p.send_forward_recv_backward(y)
 
 
 def chunk_step(
