@@ -512,12 +512,14 @@ def test_collider_on_chunks_equals_whole_sequence_collider_tp2_sp() -> None:
 
 
 @pytest.mark.slow
-def test_collider_on_chunks_through_the_pipeline() -> None:
-    """pp 2, K = 1: each chunk's compact gradient crosses the stages with its own kept count (from the plan), and
-    the first stage learns the earlier chunks' kept rows before its backwards; equals whole-sequence collider."""
+def test_collider_on_chunks_tp2_pp2_sp() -> None:
+    """tp 2 × pp 2 + SP, K = 1: each TP rank's heads, the kept rows split over the SP shards (data-dependent counts),
+    each chunk's compact gradient crossing the stages with its own kept count (from the plan), and the first stage
+    learning the earlier chunks' kept rows before its backwards; equals whole-sequence collider (one process)."""
     (ref,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), False)
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
     collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.5"]
-    for r in run_distributed(_pipeline_step, 2, ["parallel.pp=2", *collider], 1):
+    for r in run_distributed(_pipeline_step, 4, layout + collider, 1):
         assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5
         assert r["densified"] == 0
 
