@@ -1,7 +1,12 @@
 """ChunkFlow (``megasparse/chunkflow/``, issue 30): the plan covers every real token once and balances DP ranks; a
-chunk's prefix attention equals its plain-torch reference; training on chunks (K = 1 and K = all) gives the same
-per-token losses, gradients and optimizer step as training each sequence whole, at tp 1, tp 2 + SP and dp 2; the
-activations kept follow K, not the number of chunks; bad configs are one line."""
+chunk's prefix attention (dense and Collider's compact backward) equals its plain-torch reference; training on chunks
+(K = 1 and K = all) gives the same per-token losses, gradients and optimizer step as training each sequence whole,
+at tp 1, tp 2 + SP and dp 2, and so does token filtering on chunks (loss_mask; collider against whole-sequence
+collider on the same kept tokens, also at tp 2 × pp 2 + SP); the activations kept follow K, not the number of
+chunks; bad configs are one line.
+
+Why this file is long: one whole-sequence reference machinery (``_whole_sequences``, ``_chunked``, ``_grads``)
+serves every layout and filter mode; split up, each file would import it from the other."""
 
 from __future__ import annotations
 
@@ -586,6 +591,7 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
         ),
         (["chunkflow.chunk_size=32"], "differs from model.seq_length=16"),
         (["train.global_batch_size=1", "chunkflow.chunk_size=16", "train.cuda_graphs=true"], None),
+        (["filter.mode=collider", "filter.scorer=random"], None),
     ],
 )
 def test_bad_chunkflow_configs_are_one_line(overrides: list[str], match: str | None) -> None:
