@@ -1,6 +1,6 @@
 """ChunkFlow on CUDA: the prefix attention's kernels (cuDNN bf16/fp16, flash bf16, memory-efficient fp32) against
 the fp64 reference (the dense backward and Collider's compact one), and a chunked step against whole sequences on
-one GPU (bf16 and fp32; with collider too) and through a two-GPU pipeline (fp32, NCCL)."""
+one GPU (bf16 and fp32; with collider too) and through a two-GPU pipeline (fp32, NCCL; with collider too)."""
 
 from __future__ import annotations
 
@@ -136,3 +136,16 @@ def test_chunks_through_a_two_gpu_pipeline_match_whole_sequences():
         assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-4
         assert r["real"] == sum(n - 1 for n in LENGTHS)
         _against_whole(r["grads"], r["weights"], whole, tol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_collider_chunks_through_a_two_gpu_pipeline_match_whole_sequence_collider():
+    from distributed import run_distributed
+    from test_chunkflow import _compare_filtered, _pipeline_step, _rel
+
+    gpu = ["train.device=cuda", "train.dtype=fp32", "parallel.backend=nccl"]
+    (ref,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), False, tuple(gpu))
+    collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.5"]
+    for r in run_distributed(_pipeline_step, 2, gpu + ["parallel.pp=2", *collider], 1):
+        assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-4
+        assert r["densified"] == 0
