@@ -40,8 +40,9 @@ class ChunkSelection:
         """The chunk's kept predictions (every stage knows it from the plan)."""
         return kept_count(chunk.real, self.keep_ratio)
 
-    def weights(self, per_token: torch.Tensor, labels: np.ndarray, chunk: Chunk, step: int) -> torch.Tensor:
-        """[C]: 1 at the chunk's kept real predictions, else 0 (``labels``: the chunk's, IGNORE where not real)."""
+    def rows(self, per_token: torch.Tensor, labels: np.ndarray, chunk: Chunk, step: int) -> torch.Tensor:
+        """The chunk's kept real predictions, ascending ([k] on ``per_token``'s device, no host sync);
+        ``labels``: the chunk's, IGNORE where not real."""
         real = torch.from_numpy(np.flatnonzero(labels != IGNORE)).to(per_token.device)
         gen = None
         if self.scorer == "random":
@@ -49,5 +50,8 @@ class ChunkSelection:
             gen = torch.Generator(device=per_token.device)
             gen.manual_seed((self.seed * 1_000_003 + step) * 1_000_003 + first.seq * 10_007 + first.start)
         scores = score_tokens(self.scorer, per_token.detach()[real], generator=gen)
-        sel = select_tokens(scores, self.keep_ratio, "microbatch")
-        return torch.zeros_like(per_token).index_fill_(0, real[sel.idx], 1.0)
+        return real[select_tokens(scores, self.keep_ratio, "microbatch").idx]
+
+    def weights(self, per_token: torch.Tensor, labels: np.ndarray, chunk: Chunk, step: int) -> torch.Tensor:
+        """[C]: 1 at the chunk's kept real predictions, else 0."""
+        return torch.zeros_like(per_token).index_fill_(0, self.rows(per_token, labels, chunk, step), 1.0)

@@ -133,14 +133,13 @@ class ChunkFlowStep:
             sel = self.selection
             if sel is not None:  # only the kept real tokens train
                 if j not in chosen:  # a rerun keeps the first forward's tokens (the later chunks trained on them)
-                    chosen[j] = sel.weights(out, arrays[j][1], group.chunks[j], step)
-                w = chosen[j]
+                    chosen[j] = sel.rows(out, arrays[j][1], group.chunks[j], step)
+                rows = chosen[j]
                 if sel.collider:  # the compact backward from the loss layer on (decision 1223)
-                    rows = w.nonzero()[:, 0]
                     keep.meta = KeepMeta(rows, out.numel(), 1, seq_count=rows.numel())
                     if kv is not None and first:
                         kv.keep_rows(rows)
-                out = out * w
+                out = out * torch.zeros_like(out).index_fill_(0, rows, 1.0)
             return out.sum() / normaliser
 
         return forward
