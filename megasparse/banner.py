@@ -82,10 +82,10 @@ def format_banner(cfg: Config, f: RunFacts) -> str:
         per_mb = m.seq_length * t.micro_batch_size
         kept = "" if f.kept_rows is None else f" ({f.kept_rows} of {per_mb} tokens per micro-batch)"
         ref = f", reference {fl.reference}" if fl.scorer == "excess" else ""
-        lines.append(
-            f"  filter     {fl.mode}, keep ratio {fl.keep_ratio:.2f}{kept}, scorer {fl.scorer}{ref}, "
-            f"granularity {fl.granularity}"
-        )
+        group = f"granularity {fl.granularity}"
+        if cfg.chunkflow.enabled:  # chunkflow/filter.py selects over each chunk's real tokens
+            kept, group = " of each chunk's real tokens", "granularity chunk"
+        lines.append(f"  filter     {fl.mode}, keep ratio {fl.keep_ratio:.2f}{kept}, scorer {fl.scorer}{ref}, {group}")
     lines.append(f"  loss       {_loss_line(cfg, f)}")
     if sp.enabled:
         switch = round(t.steps * (1.0 - sp.dense_finetune_fraction))

@@ -1,7 +1,12 @@
 """ChunkFlow (``megasparse/chunkflow/``, issue 30): the plan covers every real token once and balances DP ranks; a
-chunk's prefix attention equals its plain-torch reference; training on chunks (K = 1 and K = all) gives the same
-per-token losses, gradients and optimizer step as training each sequence whole, at tp 1, tp 2 + SP and dp 2; the
-activations kept follow K, not the number of chunks; bad configs are one line."""
+chunk's prefix attention (dense and Collider's compact backward) equals its plain-torch reference; training on chunks
+(K = 1 and K = all) gives the same per-token losses, gradients and optimizer step as training each sequence whole,
+at tp 1, tp 2 + SP and dp 2, and so does token filtering on chunks (loss_mask; collider against whole-sequence
+collider on the same kept tokens, also at tp 2 × pp 2 + SP); the activations kept follow K, not the number of
+chunks; bad configs are one line.
+
+Why this file is long: one whole-sequence reference machinery (``_whole_sequences``, ``_chunked``, ``_grads``)
+serves every layout and filter mode; split up, each file would import it from the other."""
 
 from __future__ import annotations
 
@@ -128,6 +133,61 @@ def test_prefix_attention_matches_reference(s: int, prefix: int, nq: int, nkv: i
         assert src.got is None
 
 
+@pytest.mark.parametrize(("s", "prefix", "nq", "nkv", "bias"), [(7, 9, 4, 2, True), (5, 0, 2, 2, False)])
+def test_prefix_attention_compact_backward_matches_collider_reference(s, prefix, nq, nkv, bias) -> None:
+    """Collider: the kept queries' gradients reach only the kept keys/values, the prefix's included; the compact
+    input gradient and the prefix's kept rows equal the reference's cut graph (fp64)."""
+    from megasparse.ops.compact import CompactGrad, KeepMeta
+
+    torch.manual_seed(s + prefix)
+    d, dt = 8, torch.float64
+    cos, sin = rope_tables(64, d, 10000.0, "cpu", dt)
+    qkv = torch.randn(s, 1, (nq + 2 * nkv) * d, dtype=dt, requires_grad=True)
+    bias_t = torch.randn((nq + 2 * nkv) * d, dtype=dt, requires_grad=True) if bias else None
+    kp = torch.randn(1, nkv, prefix, d, dtype=dt, requires_grad=True)
+    vp = torch.randn(1, nkv, prefix, d, dtype=dt, requires_grad=True)
+    keep = torch.rand(prefix + s) < 0.5
+    keep[prefix + s - 1] = True
+    own, pre_rows = keep[prefix:].nonzero()[:, 0], keep[:prefix].nonzero()[:, 0]
+
+    class Source:
+        got: tuple | None = None
+
+        def prefix(self):
+            return (kp.detach(), vp.detach()) if prefix else None
+
+        def kept(self):
+            return pre_rows
+
+        def add_grad(self, dk, dv, rows=None):
+            self.got = (dk, dv, rows)
+
+    src = Source()
+    y, k, v = prefix_attention(qkv, nq, nkv, cos, sin, prefix, src, bias_t)
+    gy = torch.randn_like(y) * keep[prefix:, None, None]
+    gk, gv = (torch.randn_like(t) * keep[prefix:][None, None, :, None] for t in (k, v))  # later chunks: kept rows
+    torch.autograd.backward([y, k, v], [CompactGrad(gy.view(s, -1)[own], KeepMeta(own, s), y.shape), gk, gv])
+    got = qkv.grad
+    assert isinstance(got, CompactGrad)
+    mine_bias = bias_t.grad.clone() if bias else None
+    ref = prefix_attention_reference(qkv, nq, nkv, cos, sin, prefix, kp if prefix else None, vp, bias_t, keep)
+    qkv.grad = None
+    if bias:
+        bias_t.grad = None
+    torch.autograd.backward(list(ref), [gy, gk, gv])
+    full = qkv.grad.view(s, -1)
+    torch.testing.assert_close(got.rows, full[own], rtol=1e-10, atol=1e-10)
+    assert full[~keep[prefix:]].abs().max() == 0 if (~keep[prefix:]).any() else True  # the rest trains nothing
+    if bias:
+        torch.testing.assert_close(mine_bias, bias_t.grad, rtol=1e-10, atol=1e-10)
+    if prefix:
+        dk, dv, rows = src.got
+        assert torch.equal(rows, pre_rows)
+        torch.testing.assert_close(dk, kp.grad[:, :, pre_rows], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(dv, vp.grad[:, :, pre_rows], rtol=1e-10, atol=1e-10)
+        assert kp.grad[:, :, ~keep[:prefix]].abs().max() == 0  # non-kept prefix rows: no gradient in the reference
+
+
 # -- training on chunks equals training each sequence whole --------------------------------------------------------
 class _Fixed:
     """A sequence source whose every step is ``seqs``."""
@@ -145,11 +205,13 @@ def _config(overrides: list[str]):
     return load_config(None, base + ["chunkflow.enabled=true", "parallel.grad_bucket_numel=20000"] + overrides)
 
 
-def _whole_sequences(tr, seqs, weights: dict | None = None, kept: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _whole_sequences(
+    tr, seqs, weights: dict | None = None, kept: int = 0, collider: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Every sequence alone, unchunked (its length padded to the SP shards with ignored labels): per-token losses,
     and the summed loss / real tokens backward into the buckets (``weights``: (sequence, label) -> 0 or 1, summed
-    over ``kept`` tokens)."""
-    from megasparse.ops.compact import KeepHolder
+    over ``kept`` tokens; ``collider``: the whole sequence's compact backward on those tokens)."""
+    from megasparse.ops.compact import KeepHolder, KeepMeta
 
     stage, tp = tr.model.chunks[0], tr.lay.tp
     real = kept or sum(len(s) - 1 for s in seqs)
@@ -161,10 +223,14 @@ def _whole_sequences(tr, seqs, weights: dict | None = None, kept: int = 0) -> tu
         ids[: len(s) - 1, 0] = torch.from_numpy(s[:-1])
         targets = torch.full((n,), IGNORE, dtype=torch.long)
         targets[: len(s) - 1] = torch.from_numpy(s[1:])
-        out = stage(ids.to(tr.device), targets.to(tr.device), KeepHolder()).float().cpu()
+        keep = KeepHolder()
+        out = stage(ids.to(tr.device), targets.to(tr.device), keep).float().cpu()
         w = torch.ones_like(out)
         if weights is not None:
             w[: len(s) - 1] = torch.tensor([weights[(si, i)] for i in range(len(s) - 1)])
+        if collider:
+            rows = w.nonzero()[:, 0].to(tr.device)
+            keep.meta = KeepMeta(rows, n, 1, seq_count=rows.numel())
         ((out * w).sum() / real).backward()
         per_seq.append(out.detach()[: len(s) - 1])
         total += out.detach().double().sum()
@@ -332,15 +398,19 @@ def test_chunks_train_like_whole_sequences_dp2(whole: dict) -> None:
 
 def _pipeline_step(overrides: list[str], keep: int) -> dict:
     """ChunkFlow's gradients and one optimizer step through the pipeline (no whole-sequence reference here)."""
+    from megasparse.ops.compact import densify_count
     from megasparse.parallel.consolidate import full_state_dict
     from megasparse.train import Trainer
 
     tr = Trainer(_config(overrides + [f"chunkflow.max_chunks_in_memory={keep}"]))
     tr.chunkflow.source = _Fixed(_sequences())
+    before = densify_count()
     tr.compute_gradients()
+    densified = densify_count() - before
     grads = _grads(tr)
     r = tr.train_step()
-    return {"grads": grads, "loss": r.loss, "weights": full_state_dict(tr.model), "real": r.extra["real_tokens"]}
+    out = {"grads": grads, "loss": r.loss, "weights": full_state_dict(tr.model), "real": r.extra["real_tokens"]}
+    return out | {"densified": densified}
 
 
 @pytest.mark.slow
@@ -358,50 +428,105 @@ def test_chunks_through_the_pipeline_train_like_whole_sequences(whole: dict, wor
         _against_whole(r["grads"], r["weights"], whole)
 
 
-def _compare_filtered(scorer: str) -> dict:
-    """filter.mode=loss_mask on chunks (K = 1) against whole sequences trained on the same kept tokens."""
+def _compare_filtered(scorer: str, mode: str = "loss_mask", keeps=(1,), pack: bool = False, overrides=()) -> dict:
+    """Token filtering on chunks (each K of ``keeps``; ``pack``: short sequences packed under document attention)
+    against whole sequences trained on the same kept tokens: loss_mask's dense backward, or collider's compact one
+    on both sides (gradients flow only among the kept tokens of each whole sequence)."""
     from megasparse.chunkflow.plan import chunk_arrays as arrays_of
+    from megasparse.chunkflow.step import ChunkFlowStep
+    from megasparse.ops.compact import densify_count
     from megasparse.train import Trainer
 
     seqs = _sequences()
-    ov = [
-        "filter.mode=loss_mask",
-        f"filter.scorer={scorer}",
-        "filter.keep_ratio=0.5",
-        "chunkflow.max_chunks_in_memory=1",
-    ]
-    tr = Trainer(_config(ov))
-    per_tok, _, _, work = _chunked(tr, seqs)
-    grads, sel = _grads(tr), tr.chunkflow.selection
-    ref_tr = Trainer(_config(ov))
-    per_seq, _ = _whole_sequences(ref_tr, seqs)
-    weights = {}  # the same selection, made from the whole sequences' per-token losses chunk by chunk
-    for c in [c for g in work.groups for c in g.chunks]:
-        _, labels, starts = arrays_of(c, seqs, C)
-        out = torch.zeros(C)
-        for p, at in zip(c.pieces, starts):
-            out[at : at + p.count - 1] = per_seq[p.seq][p.start : p.start + p.count - 1]
-        w = sel.weights(out, labels, c, 0)
-        real = torch.from_numpy(labels) != IGNORE
-        assert w[~real].sum() == 0  # padding is never kept
-        if scorer == "loss" and w[real].sum() < real.sum():  # the hardest real tokens of the chunk
-            assert out[real & (w == 1)].min() >= out[real & (w == 0)].max()
-        for p, at in zip(c.pieces, starts):
-            for i in range(p.count - 1):
-                weights[(p.seq, p.start + i)] = w[at + i].item()
-    kept = sel.kept(work.plan)
-    assert sum(weights.values()) == kept
-    _whole_sequences(ref_tr, seqs, weights, kept)
-    ref = _grads(ref_tr)
-    return {"grad": max(_rel(grads[n], ref[n]) for n in ref), "last": tr.chunkflow.last, "kept": kept}
+    ov = [f"filter.mode={mode}", f"filter.scorer={scorer}", "filter.keep_ratio=0.5", *overrides]
+    runs, ref = {}, None
+    for k in keeps:
+        tr = Trainer(_config(ov + [f"chunkflow.max_chunks_in_memory={k}"]), init_groups=ref is None)
+        if pack:
+            tr.chunkflow = ChunkFlowStep(
+                tr.model, _Fixed(seqs), chunk_size=C, per_step=len(seqs), keep=k, dp=1, dp_rank=0, device=tr.device,
+                eod=0, selection=tr.chunkflow.selection,
+            )  # fmt: skip
+        before = densify_count()
+        per_tok, _, _, work = _chunked(tr, seqs)
+        densified = densify_count() - before
+        grads, sel = _grads(tr), tr.chunkflow.selection
+        if ref is None:
+            ref_tr = Trainer(_config(ov), init_groups=False)
+            per_seq, _ = _whole_sequences(ref_tr, seqs)
+            weights = {}  # the same selection, made from the whole sequences' per-token losses chunk by chunk
+            for c in [c for g in work.groups for c in g.chunks]:
+                _, labels, starts = arrays_of(c, seqs, C)
+                out = torch.zeros(C, device=tr.device)  # (random scores: the chunk's generator is on its device)
+                for p, at in zip(c.pieces, starts):
+                    out[at : at + p.count - 1] = per_seq[p.seq][p.start : p.start + p.count - 1]
+                w = sel.weights(out, labels, c, 0).cpu()
+                real = torch.from_numpy(labels) != IGNORE
+                assert w[~real].sum() == 0  # padding is never kept
+                if scorer == "loss" and w[real].sum() < real.sum():  # the hardest real tokens of the chunk
+                    assert out[real & (w == 1)].min() >= out[real & (w == 0)].max()
+                for p, at in zip(c.pieces, starts):
+                    for i in range(p.count - 1):
+                        weights[(p.seq, p.start + i)] = w[at + i].item()
+            kept = sel.kept(work.plan)
+            assert sum(weights.values()) == kept
+            _whole_sequences(ref_tr, seqs, weights, kept, collider=mode == "collider")
+            ref = _grads(ref_tr), per_seq
+        tok = max(abs(v.item() - ref[1][s][i].item()) / abs(ref[1][s][i].item()) for (s, i), v in per_tok.items())
+        runs[k] = {
+            "grad": max(_rel(grads[n], ref[0][n]) for n in ref[0]),
+            "tok": tok,
+            "densified": densified,
+            "chunks": work.plan.num_chunks,
+            "last": tr.chunkflow.last,
+        }
+    return {"runs": runs, "kept": kept, "ref_grads": ref[0]}
+
+
+def _check_filtered(res: dict, tol: float = 1e-5) -> None:
+    real = sum(n - 1 for n in LENGTHS)
+    for k, run in res["runs"].items():
+        assert run["grad"] < tol and run["tok"] < tol, (k, run)
+        assert run["densified"] == 0, (k, run)  # collider: compact from the loss to the embedding, every chunk
+        assert run["last"]["real_kept_share"] == res["kept"] / real and 0.5 <= res["kept"] / real < 0.6
 
 
 @pytest.mark.parametrize("scorer", ["loss", "random"])
 def test_loss_mask_filtering_on_chunks_keeps_real_tokens_only(scorer: str) -> None:
     (res,) = run_distributed(_compare_filtered, 1, scorer)
-    real = sum(n - 1 for n in LENGTHS)
-    assert res["grad"] < 1e-5, res
-    assert res["last"]["real_kept_share"] == res["kept"] / real and 0.5 <= res["kept"] / real < 0.6
+    _check_filtered(res)
+
+
+def test_collider_on_chunks_equals_whole_sequence_collider_tp1() -> None:
+    """Collider on a 4-chunk sequence (K = 1: the earlier chunks rerun; K = 4: none does) and on packed short
+    sequences (document attention): the compact backward reaches the earlier chunks' kept keys/values only and
+    equals collider on each whole sequence with the same kept tokens, with no densified gradient."""
+    pytest.importorskip("megasparse.ops.documents", reason="document attention (issue 30 item 1) not in this tree")
+    (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1, 4), True)
+    _check_filtered(res)
+    assert res["runs"][1]["chunks"] < 4 + 2 + 5  # the five short sequences share chunks
+
+
+@pytest.mark.slow
+def test_collider_on_chunks_equals_whole_sequence_collider_tp2_sp() -> None:
+    """tp 2 + SP: each TP rank's heads, kept rows split over the SP shards (data-dependent counts), one chunk per
+    short sequence (no packing)."""
+    sp = ("parallel.tp=2", "parallel.sequence_parallel=true")
+    for res in run_distributed(_compare_filtered, 2, "random", "collider", (1, 4), False, sp):
+        _check_filtered(res)
+
+
+@pytest.mark.slow
+def test_collider_on_chunks_tp2_pp2_sp() -> None:
+    """tp 2 × pp 2 + SP, K = 1: each TP rank's heads, the kept rows split over the SP shards (data-dependent counts),
+    each chunk's compact gradient crossing the stages with its own kept count (from the plan), and the first stage
+    learning the earlier chunks' kept rows before its backwards; equals whole-sequence collider (one process)."""
+    (ref,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), False)
+    layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
+    collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.5"]
+    for r in run_distributed(_pipeline_step, 4, layout + collider, 1):
+        assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5
+        assert r["densified"] == 0
 
 
 # -- memory follows K -------------------------------------------------------------------------------------------------
@@ -457,7 +582,6 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
         (["train.micro_batch_size=2"], "set train.micro_batch_size=1"),
         (["parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=4"], "parallel.virtual_stages > 1"),
         (["parallel.pp=2", "loss.vocab_over_pp=true"], "loss.vocab_over_pp"),
-        (["filter.mode=collider"], "filter.mode=collider"),
         (["filter.mode=loss_mask", "filter.scorer=excess"], "filter.scorer=excess"),
         (["model.recompute=full"], "model.recompute=full"),
         (["chunkflow.max_sequence_length=1"], "max_sequence_length=1 must be >= 2"),
@@ -467,6 +591,7 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
         ),
         (["chunkflow.chunk_size=32"], "differs from model.seq_length=16"),
         (["train.global_batch_size=1", "chunkflow.chunk_size=16", "train.cuda_graphs=true"], None),
+        (["filter.mode=collider", "filter.scorer=random"], None),
     ],
 )
 def test_bad_chunkflow_configs_are_one_line(overrides: list[str], match: str | None) -> None:

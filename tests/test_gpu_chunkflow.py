@@ -1,6 +1,6 @@
 """ChunkFlow on CUDA: the prefix attention's kernels (cuDNN bf16/fp16, flash bf16, memory-efficient fp32) against
-the fp64 reference, and a chunked step against whole sequences on one GPU (bf16 and fp32) and through a two-GPU
-pipeline (fp32, NCCL)."""
+the fp64 reference (the dense backward and Collider's compact one), and a chunked step against whole sequences on
+one GPU (bf16 and fp32; with collider too) and through a two-GPU pipeline (fp32, NCCL; with collider too)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,11 @@ class _Source:
     def prefix(self):
         return None if self.k is None else (self.k, self.v)
 
-    def add_grad(self, dk, dv):
+    def add_grad(self, dk, dv, rows=None):
         self.got = (dk, dv)
+
+    def kept(self):
+        return getattr(self, "rows", None)
 
 
 @pytest.mark.parametrize(
@@ -68,6 +71,50 @@ def test_prefix_attention_kernels_match_fp64(monkeypatch, dtype, cudnn: bool, to
         assert attn._CUDNN["ok"]  # cuDNN really ran (no silent fall-back to flash)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "cudnn", "tol"),
+    [(torch.bfloat16, True, 2e-2), (torch.bfloat16, False, 2e-2), (torch.float32, True, 1e-4)],
+    ids=["bf16-cudnn", "bf16-flash", "fp32-efficient"],
+)
+@pytest.mark.parametrize(("s", "prefix"), [(256, 512), (200, 328)])
+def test_prefix_attention_compact_backward_matches_fp64(monkeypatch, dtype, cudnn: bool, tol: float, s, prefix):
+    """Collider: the kernels' backwards on the kept rows (half of the chunk's, a third of the prefix's)."""
+    from megasparse.ops.compact import CompactGrad, KeepMeta
+
+    monkeypatch.setitem(attn._CUDNN, "ok", cudnn)
+    torch.manual_seed(s + prefix)
+    nq, nkv, d = 8, 2, 64
+    cos, sin = rope_tables(prefix + s, d, 10000.0, "cuda")
+    qkv = torch.randn(s, 1, (nq + 2 * nkv) * d, device="cuda", dtype=dtype, requires_grad=True)
+    kp, vp = (torch.randn(1, nkv, prefix, d, device="cuda", dtype=dtype) for _ in range(2))
+    share = torch.cat([torch.full((prefix,), 0.33), torch.full((s,), 0.5)]).cuda()
+    keep = torch.rand(prefix + s, device="cuda") < share
+    keep[-1] = True
+    own = keep[prefix:].nonzero()[:, 0]
+    src = _Source(kp, vp)
+    src.rows = keep[:prefix].nonzero()[:, 0]
+    y, k, v = prefix_attention(qkv, nq, nkv, cos, sin, prefix, src)
+    gy = torch.randn_like(y) * keep[prefix:, None, None]
+    gk, gv = (torch.randn_like(t) * keep[prefix:][None, None, :, None] for t in (k, v))
+    torch.autograd.backward([y, k, v], [CompactGrad(gy.view(s, -1)[own], KeepMeta(own, s), y.shape), gk, gv])
+    x = qkv.detach().double().requires_grad_()
+    k64, v64 = kp.double().requires_grad_(), vp.double().requires_grad_()
+    ref = prefix_attention_reference(x, nq, nkv, cos.double(), sin.double(), prefix, k64, v64, keep=keep)
+    torch.autograd.backward(list(ref), [gy.double(), gk.double(), gv.double()])
+    assert _rel(qkv.grad.rows, x.grad.view(s, -1)[own]) < tol
+    assert _rel(src.got[0], k64.grad[:, :, src.rows]) < tol and _rel(src.got[1], v64.grad[:, :, src.rows]) < tol
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("fp32", 1e-4), ("bf16", 3e-2)])
+def test_collider_chunked_step_matches_whole_sequence_collider_on_cuda(dtype: str, tol: float):
+    from distributed import run_distributed
+    from test_chunkflow import _check_filtered, _compare_filtered
+
+    gpu = ("train.device=cuda", f"train.dtype={dtype}", "parallel.backend=nccl")
+    (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1, 4), True, gpu)
+    _check_filtered(res, tol=tol)
+
+
 @pytest.mark.parametrize(("dtype", "tol"), [("fp32", 1e-4), ("bf16", 3e-2)])
 def test_chunked_step_matches_whole_sequences_on_cuda(dtype: str, tol: float):
     from distributed import run_distributed
@@ -89,3 +136,16 @@ def test_chunks_through_a_two_gpu_pipeline_match_whole_sequences():
         assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-4
         assert r["real"] == sum(n - 1 for n in LENGTHS)
         _against_whole(r["grads"], r["weights"], whole, tol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_collider_chunks_through_a_two_gpu_pipeline_match_whole_sequence_collider():
+    from distributed import run_distributed
+    from test_chunkflow import _compare_filtered, _pipeline_step, _rel
+
+    gpu = ["train.device=cuda", "train.dtype=fp32", "parallel.backend=nccl"]
+    (ref,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), False, tuple(gpu))
+    collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.5"]
+    for r in run_distributed(_pipeline_step, 2, gpu + ["parallel.pp=2", *collider], 1):
+        assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-4
+        assert r["densified"] == 0

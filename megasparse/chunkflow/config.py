@@ -69,10 +69,6 @@ class ChunkFlowConfig:
             (p.virtual_stages > 1, "parallel.virtual_stages > 1 (chunks run the plain pipeline order; set it to 1)"),
             (cfg.loss.vocab_over_pp, "loss.vocab_over_pp (a lock-step schedule; set loss.vocab_over_pp=false)"),
             (
-                cfg.filter.mode == "collider",
-                "filter.mode=collider (its compact backward across chunks is not built; use filter.mode=loss_mask)",
-            ),
-            (
                 cfg.filter.mode != "off" and cfg.filter.scorer == "excess",
                 "filter.scorer=excess (reference losses are not aligned with chunks; use filter.scorer=loss or random)",
             ),

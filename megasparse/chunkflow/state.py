@@ -10,6 +10,10 @@ deterministic and reads the same prefix) is differentiated from its loss *and* f
 gradients are what chunks > j added into the store's gradient buffers. Its own attention adds the gradients of the
 prefix keys/values into those buffers in turn. One ``autograd.backward`` per chunk: each parameter's gradient
 arrives once per chunk, which is what the DP buckets' overlap hooks count (decision 1222).
+
+Under ``filter.mode=collider`` (decision 1223) each chunk's kept positions are recorded here at its first forward
+(``ChunkKV.keep_rows``); a later chunk's compact backward reads the earlier chunks' kept keys/values only and adds
+gradients into those rows only, so the gradient buffers hold nothing at the other rows.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ class KVStore:
         self.v: dict[int, torch.Tensor] = {}
         self.dk: dict[int, torch.Tensor] = {}
         self.dv: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, torch.Tensor] = {}
+        """Collider: chunk j's kept positions in the sequence (ascending), recorded at its first forward."""
+        self._prefix_kept: dict[int, torch.Tensor] = {}
+
+    def prefix_kept(self, j: int) -> torch.Tensor | None:
+        """The kept positions of chunks < j (None: no selection recorded, every position trains)."""
+        if not self.kept:
+            return None
+        if j not in self._prefix_kept:  # shared by every layer of chunk j's backward
+            self._prefix_kept[j] = torch.cat([self.kept[i] for i in range(j)])
+        return self._prefix_kept[j]
 
     def write(self, layer: int, j: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if layer not in self.k:
@@ -72,10 +87,16 @@ class _LayerPrefix:
         hi = self.j * self.store.c
         return self.store.k[self.layer][:, :, :hi], self.store.v[self.layer][:, :, :hi]
 
-    def add_grad(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    def kept(self) -> torch.Tensor | None:
+        return self.store.prefix_kept(self.j)
+
+    def add_grad(self, dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         hi = self.j * self.store.c
-        self.store.dk[self.layer][:, :, :hi].add_(dk)
-        self.store.dv[self.layer][:, :, :hi].add_(dv)
+        for buf, grad in ((self.store.dk, dk), (self.store.dv, dv)):
+            if rows is None:
+                buf[self.layer][:, :, :hi].add_(grad)
+            else:  # the compact backward: only the earlier chunks' kept rows receive anything
+                buf[self.layer].index_add_(2, rows, grad.to(buf[self.layer].dtype))
 
 
 class ChunkKV:
@@ -87,6 +108,11 @@ class ChunkKV:
         self.store, self.j, self.offset, self.rerun = store, j, offset, rerun
         self.outputs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         """(layer, k, v) of this chunk with their autograd history (forwards with grad only)."""
+
+    def keep_rows(self, positions: torch.Tensor) -> None:
+        """Collider: this chunk's kept positions (ascending, in the chunk), which the later chunks' compact
+        backwards reach in its keys/values."""
+        self.store.kept[self.j] = positions + self.j * self.store.c
 
     def attend(self, layer: int, qkv: torch.Tensor, nq: int, nkv: int, cos, sin, bias=None) -> torch.Tensor:
         """Layer ``layer``'s attention for this chunk: y [s, b, nq·d] (its keys/values recorded)."""
@@ -109,7 +135,14 @@ def _entry(x: torch.Tensor | None, holder: dict) -> torch.Tensor | None:
     return None if x is None else catch_grad(x.requires_grad_(), holder)
 
 
-def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, p2p: StageComm | None = None) -> None:
+def run_group(
+    forward: Forward,
+    offsets: list[int],
+    chunk_size: int,
+    keep: int,
+    p2p: StageComm | None = None,
+    kept: list[int] | None = None,
+) -> None:
     """Chunks of one group forward in order, backward in reverse; at most ``keep`` (K >= 1) keep their graphs
     from the forward, the others rerun theirs just before their backward.
 
@@ -117,7 +150,12 @@ def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, 
     order, receiving each chunk's input from the previous stage and sending its output on, then the backwards in
     reverse order, receiving output gradients and sending input gradients back: both ends of every link see the
     same order. A rerun starts from the chunk's received input, kept (detached) from its first forward: the
-    recompute is local to each stage, no transfer is repeated."""
+    recompute is local to each stage, no transfer is repeated.
+
+    ``kept`` (collider): each chunk's kept count. Through the pipeline the last stage's selection (made in its
+    forwards) then passes down to every stage between the forwards and the backwards (``StageComm.pass_back``):
+    an earlier stage's compact backward of chunk j reads the kept rows of chunks < j before their gradients
+    arrive."""
     n = len(offsets)
     store = KVStore(n, chunk_size)
     live: dict[int, tuple[torch.Tensor, ChunkKV, dict]] = {}
@@ -136,6 +174,10 @@ def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, 
         if p2p is not None:
             p2p.send_forward(out)  # (the last stage has no next: its loss stays)
         del out
+    if kept is not None and p2p is not None:
+        mine = torch.cat([store.kept[j] for j in range(n)]) if store.kept else None  # (the last stage's)
+        every = p2p.pass_back(mine, sum(kept))
+        store.kept = dict(enumerate(every.split(kept)))
     for j in reversed(range(n)):
         g = None
         if p2p is not None:

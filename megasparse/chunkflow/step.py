@@ -5,8 +5,9 @@ and returns this rank's groups; ``len()`` of them is the number of backward pass
 hooks count (``zero_grad(len(batches))``). Calling the step runs each group (``state.run_group``: a long sequence's
 chunks forward in order, backward in reverse) and returns the summed per-token loss and this rank's share of the
 step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
-is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask``), known on every rank
-from the plan: no collective.
+is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask`` or ``collider``), known
+on every rank from the plan: no collective. Under collider the kept rows also go to the loss layer (``KeepHolder``),
+so the chunk's backward is compact, across chunk boundaries too (decision 1223).
 
 The order is group by group (all chunks of one sequence, forwards then reversed backwards, through every stage);
 then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this is not a
@@ -15,6 +16,7 @@ then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +27,7 @@ from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.filter import ChunkSelection
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.state import ChunkKV, run_group
-from megasparse.ops.compact import KeepHolder
+from megasparse.ops.compact import KeepHolder, KeepMeta
 from megasparse.ops.documents import DocSpans
 from megasparse.parallel.pipeline import StageComm, one_f_one_b
 
@@ -55,10 +57,11 @@ class ChunkFlowStep:
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
         per chunk. ``p2p``: the stage's transfers (pipeline stages; None: a single stage, every group through
-        ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` over each chunk's real tokens."""
+        ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` or ``collider`` over each chunk's real
+        tokens."""
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
-        self.p2p = p2p
+        self.p2p = p2p if p2p is None or selection is None or not selection.collider else _KeptCounts(p2p)
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
         self.pack, self.selection = eod is not None, selection
@@ -82,13 +85,20 @@ class ChunkFlowStep:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         plan, sel = work.plan, self.selection
         kept = plan.real_tokens if sel is None else sel.kept(plan)
-        singles = []
+        singles, counted = [], isinstance(self.p2p, _KeptCounts)
+        if counted:  # each chunk's kept count, in the order their gradients arrive: groups reversed, then singles
+            long = [g for g in work.groups if len(g.chunks) > 1]
+            short = [g for g in work.groups if len(g.chunks) == 1]
+            self.p2p.expect(
+                [sel.count(c) for g in long for c in reversed(g.chunks)] + [sel.count(g.chunks[0]) for g in short]
+            )
         for group in work.groups:
             fwd = self._forward(group, work.sequences, loss_sum, max(kept, 1), step_no)
             if len(group.chunks) == 1 and self.p2p is not None:
                 singles.append(fwd)  # no state: ordinary 1F1B micro-batches, after the long sequences
             else:
-                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p)
+                counts = [sel.count(c) for c in group.chunks] if counted else None
+                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p, counts)
         if singles:
             one_f_one_b(
                 len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
@@ -110,20 +120,53 @@ class ChunkFlowStep:
         ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
         targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
         packed = len(group.chunks) == 1 and self.pack  # whole documents from position 0: no state to carry
-        stage = self.stage
+        stage, chosen = self.stage, {}
 
         def forward(j: int, x: torch.Tensor | None, kv: ChunkKV | None, first: bool) -> torch.Tensor:
             ctx = self._documents(ids[j]) if packed else ({} if kv is None else {"kv": kv})
-            out = stage(ids[j] if stage.first else x, targets[j], KeepHolder(), **ctx)
+            keep = KeepHolder()
+            out = stage(ids[j] if stage.first else x, targets[j], keep, **ctx)
             if not stage.last:
                 return out
             if first:
                 loss_sum.add_(out.detach().double().sum())  # per-token losses, 0 at padding (ignored labels)
-            if self.selection is not None:  # filter.mode=loss_mask: only the kept real tokens train
-                out = out * self.selection.weights(out, arrays[j][1], group.chunks[j], step)
+            sel = self.selection
+            if sel is not None:  # only the kept real tokens train
+                if j not in chosen:  # a rerun keeps the first forward's tokens (the later chunks trained on them)
+                    chosen[j] = sel.rows(out, arrays[j][1], group.chunks[j], step)
+                rows = chosen[j]
+                if sel.collider:  # the compact backward from the loss layer on (decision 1223)
+                    keep.meta = KeepMeta(rows, out.numel(), 1, seq_count=rows.numel())
+                    if kv is not None and first:
+                        kv.keep_rows(rows)
+                out = out * torch.zeros_like(out).index_fill_(0, rows, 1.0)
             return out.sum() / normaliser
 
         return forward
+
+
+class _KeptCounts:
+    """The stage's transfers, collider under ``parallel.pp > 1``: a compact gradient's receive must know its kept
+    count ahead (``P2PSpec.kept_rows``), and chunks keep different counts, known from the plan. ``expect`` lists
+    them in the order the step's backwards receive their gradients; each receive takes the next."""
+
+    def __init__(self, p2p: StageComm):
+        self.p2p, self.queue, self.now = p2p, deque(), 0
+        p2p.spec.kept_rows, p2p.spec.seq_count, p2p.spec.shards = lambda: self.now, None, 1
+
+    def expect(self, counts: list[int]) -> None:
+        self.queue = deque(counts)
+
+    def __getattr__(self, name: str):
+        return getattr(self.p2p, name)
+
+    def recv_backward(self) -> torch.Tensor | None:
+        self.now = self.queue.popleft()
+        return self.p2p.recv_backward()
+
+    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor | None:
+        self.now = self.queue.popleft()
+        return self.p2p.send_forward_recv_backward(y)
 
 
 def chunk_step(
@@ -145,4 +188,6 @@ def chunk_step(
 
 def _selection(cfg) -> ChunkSelection | None:
     f = cfg.filter
-    return ChunkSelection(f.keep_ratio, f.scorer, cfg.train.seed) if f.mode == "loss_mask" else None
+    if f.mode == "off":
+        return None
+    return ChunkSelection(f.keep_ratio, f.scorer, cfg.train.seed, collider=f.mode == "collider")

@@ -21,7 +21,8 @@ from typing import Protocol
 
 import torch
 
-from megasparse.ops.attention import _flash_bwd, _flash_fwd, _rotated
+from megasparse.ops.attention import _flash_bwd, _flash_fwd, _rotated, _rows_at
+from megasparse.ops.compact import CompactGrad
 from megasparse.ops.rope_kernels import rope_into
 
 __all__ = ["PrefixSource", "prefix_attention", "prefix_attention_reference"]
@@ -33,8 +34,12 @@ class PrefixSource(Protocol):
     def prefix(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(k, v) [b, nkv, P, d] of the P earlier positions, or None for a sequence's first chunk."""
 
-    def add_grad(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        """Add the prefix keys'/values' gradients ([b, nkv, P, d]) from this chunk's backward."""
+    def add_grad(self, dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Add the prefix keys'/values' gradients ([b, nkv, P, d]) from this chunk's backward; ``rows``: they are
+        the gradients of those prefix positions only ([b, nkv, len(rows), d], the compact backward)."""
+
+    def kept(self) -> torch.Tensor | None:
+        """Prefix positions whose keys/values train under Collider (ascending), None: every one."""
 
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor):
@@ -75,9 +80,11 @@ class PrefixAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, gk, gv):
+        if isinstance(g, CompactGrad):
+            return _compact_backward(ctx, g, gk, gv)
         nq, nkv, d, scale, rng, rng_p, offset, shape, has_bias = ctx.meta
         q, k, v, out, lse, cos, sin = ctx.saved_tensors
-        s, b, _ = shape
+        s, b, w = shape
         go = g.reshape(s, b, nq, d).permute(1, 2, 0, 3)
         dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
         pre = ctx.source.prefix()  # the same tensors as in the forward (the caller keeps them until this backward)
@@ -90,15 +97,51 @@ class PrefixAttentionFn(torch.autograd.Function):
             dk = dk + gk
         if gv is not None:
             dv = dv + gv
-        rows = dq.new_empty(s, b, nq + 2 * nkv, d)
-        heads = rows.permute(1, 2, 0, 3)
         pos = torch.arange(offset, offset + s, device=q.device)
-        rope_into(heads[:, :nq], dq, cos, sin, pos, inverse=True)
-        rope_into(heads[:, nq : nq + nkv], dk, cos, sin, pos, inverse=True)
-        heads[:, nq + nkv :].copy_(dv)
-        dqkv = rows.reshape(shape)
-        db = dqkv.reshape(-1, shape[-1]).sum(0) if has_bias else None
+        dqkv = _unrotated(dq, dk, dv, cos, sin, pos).reshape(shape)
+        db = dqkv.reshape(-1, w).sum(0) if has_bias else None
         return dqkv, None, None, None, None, None, None, db
+
+
+def _unrotated(dq, dk, dv, cos, sin, pos: torch.Tensor) -> torch.Tensor:
+    """[t, b, (nq + 2·nkv)·d] input rows from dq [b, nq, t, d], dk/dv [b, nkv, t, d], RoPE undone at ``pos``."""
+    b, nq, t, d = dq.shape
+    nkv = dk.shape[1]
+    rows = dq.new_empty(t, b, nq + 2 * nkv, d)
+    heads = rows.permute(1, 2, 0, 3)
+    rope_into(heads[:, :nq], dq, cos, sin, pos, inverse=True)
+    rope_into(heads[:, nq : nq + nkv], dk, cos, sin, pos, inverse=True)
+    heads[:, nq + nkv :].copy_(dv)
+    return rows.flatten(2)
+
+
+def _compact_backward(ctx, g: CompactGrad, gk, gv):
+    """Collider: the kept rows' backward (one sequence per chunk: ``g.meta.idx`` are the kept positions)."""
+    nq, nkv, d, scale, rng, rng_p, offset, shape, has_bias = ctx.meta
+    q, k, v, out, lse, cos, sin = ctx.saved_tensors
+    s, b, w = shape
+    assert b == 1, "a ChunkFlow chunk is one sequence (train.micro_batch_size=1)"
+    pos = g.meta.idx  # ascending kept positions of the chunk (row = position·b + 0)
+    m = pos.numel()
+    go = g.rows.reshape(1, m, nq, d).permute(0, 2, 1, 3)
+    qs, ks, vs, os_ = (_rows_at(t, pos, 1, m) for t in (q, k, v, out))
+    lse_s = lse.index_select(2, pos).contiguous()
+    # causal over the kept rows' order = causal over their positions (queries and keys are the same rows)
+    dq, dk, dv = _flash_bwd(go, qs, ks, vs, os_, lse_s, rng, scale)
+    pre = ctx.source.prefix()
+    if pre is not None:
+        kept = ctx.source.kept()
+        kp, vp = pre if kept is None else (pre[0].index_select(2, kept), pre[1].index_select(2, kept))
+        dq_p, dkp, dvp = _flash_bwd(go, qs, kp, vp, os_, lse_s, rng_p, scale, causal=False)
+        dq = dq + dq_p
+        ctx.source.add_grad(dkp, dvp, kept)
+    if gk is not None:  # later chunks reached only this chunk's kept rows: the other rows' gradients are 0
+        dk = dk + gk.index_select(2, pos)
+    if gv is not None:
+        dv = dv + gv.index_select(2, pos)
+    rows = _unrotated(dq, dk, dv, cos, sin, pos + offset).reshape(m, w)
+    db = rows.sum(0) if has_bias else None
+    return CompactGrad(rows, g.meta, shape), None, None, None, None, None, None, db
 
 
 def prefix_attention(
@@ -126,9 +169,12 @@ def prefix_attention_reference(
     prefix_k: torch.Tensor | None,
     prefix_v: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same in plain torch (differentiable in every input, the prefix included): RoPE by rotate-half at the
-    chunk's positions, keys = prefix ++ own, a lower-right causal mask, softmax in fp32 or wider."""
+    chunk's positions, keys = prefix ++ own, a lower-right causal mask, softmax in fp32 or wider. ``keep``
+    ([P + s] bool, prefix then own positions): Collider's semantics, the attention's keys, values and score columns
+    of the other positions are cut from the graph (the caller masks the output gradient to the kept queries)."""
     if bias is not None:
         qkv = qkv + bias
     s, b, _ = qkv.shape
@@ -146,12 +192,17 @@ def prefix_attention_reference(
     keys, vals = k, v
     if prefix_k is not None:
         keys, vals = torch.cat([prefix_k.to(acc), k], 2), torch.cat([prefix_v.to(acc), v], 2)
+    if keep is not None:
+        col = keep[None, None, :, None]
+        keys, vals = torch.where(col, keys, keys.detach()), torch.where(col, vals, vals.detach())
     rep = nq // nkv
     keys, vals = keys.repeat_interleave(rep, 1), vals.repeat_interleave(rep, 1)
     p = keys.shape[2] - s
     key_pos, query_pos = torch.arange(keys.shape[2], device=qkv.device), p + torch.arange(s, device=qkv.device)
     allowed = key_pos[None, :] <= query_pos[:, None]
     scores = (q @ keys.transpose(-1, -2)) * d**-0.5
+    if keep is not None:
+        scores = torch.where(keep[None, None, None, :], scores, scores.detach())
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     y = (probs @ vals).permute(2, 0, 1, 3).reshape(s, b, nq * d).to(qkv.dtype)
     return y, k.to(qkv.dtype), v.to(qkv.dtype)

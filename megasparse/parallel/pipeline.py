@@ -220,6 +220,17 @@ class StageComm:
         comm.p2p(self._grad_ops(g) + [("recv", t, self.prev)], self.group)
         return t
 
+    def pass_back(self, idx: torch.Tensor | None, n: int) -> torch.Tensor:
+        """``n`` indices the last stage made (``idx`` there), received from the next stage and sent on to the
+        previous one: every stage then holds them (ChunkFlow's kept positions of a sequence's chunks under
+        collider, which the earlier stages' backwards need before their gradients arrive)."""
+        if self.next is not None:
+            idx = torch.empty(n, dtype=torch.long, device=self.spec.device)
+            comm.p2p([("recv", idx, self.next)], self.group)
+        if self.prev is not None:
+            comm.p2p([("send", idx.contiguous(), self.prev)], self.group)
+        return idx
+
 
 def catch_grad(x: torch.Tensor, holder: dict) -> torch.Tensor:
     """Identity whose backward leaves the incoming gradient (dense or compact) in ``holder["grad"]``."""
