@@ -18,11 +18,12 @@ from collections.abc import Callable
 
 import torch
 
+from megasparse.chunkflow.schedule import ChunkId, Schedule
 from megasparse.ops.prefix_attention import prefix_attention
 from megasparse.parallel import comm
 from megasparse.parallel.pipeline import StageComm, catch_grad
 
-__all__ = ["ChunkKV", "KVStore", "run_group"]
+__all__ = ["ChunkKV", "KVStore", "run_group", "run_schedule"]
 
 
 class KVStore:
@@ -158,3 +159,70 @@ def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, 
             with comm.phase("backward"):
                 p2p.send_backward(holder.get("grad"))  # (the first stage has no previous: nothing is sent)
         del out, kv, outs, grads, holder  # this chunk's graph goes now: memory follows K, not the group's length
+
+
+def run_schedule(
+    plan: Schedule, stage: int, forwards: list[Forward], offsets: list[list[int]], chunk_size: int, p2p: StageComm
+) -> None:
+    """This pipeline stage's slots of ``plan`` (``schedule.py``): group g's chunk j runs ``forwards[g]`` at
+    ``offsets[g][j]``, a long group's chunks over its ``KVStore`` (one per group, dropped after its chunk 0's
+    backward), an independent chunk (a group of one) with no state.
+
+    At each boundary the stage posts in one exchange what ``plan.transfers`` names: the output of its last slot's
+    forward and the input gradient of its last slot's backward go out, what the neighbours' last slots produced
+    comes in and waits, filed by chunk, until its slot. Forwards keep their graphs for chunks ``plan.kept`` says;
+    the others keep their received input and run forward again in their backward's slot (no transfer repeated)."""
+    stores: dict[int, KVStore] = {}
+    live: dict[ChunkId, tuple[torch.Tensor, ChunkKV | None, dict]] = {}
+    inputs: dict[ChunkId, torch.Tensor | None] = {}  # received, waiting for the forward (or kept for the rerun)
+    grads: dict[ChunkId, torch.Tensor] = {}
+    y = gin = None
+    for t in range(plan.length + 1):
+        _, recv_x, _, recv_g = plan.transfers(stage, t)
+        x, g = p2p.exchange(y, recv_x is not None, gin, recv_g is not None)
+        if recv_x is not None:
+            inputs[recv_x] = x
+        if recv_g is not None:
+            grads[recv_g] = g
+        y = gin = None
+        op = plan.at(stage, t)
+        if op is None:
+            continue
+        kind, c = op
+        gi, j = c
+        n = plan.sizes[gi]
+        if n > 1 and gi not in stores:
+            stores[gi] = KVStore(n, chunk_size)
+        if kind == "F":
+            kv = ChunkKV(stores[gi], j, offsets[gi][j]) if n > 1 else None
+            x = inputs.pop(c, None)
+            if plan.kept(c):
+                holder: dict = {}
+                out = forwards[gi](j, _entry(x, holder), kv, True)
+                live[c] = (out, kv, holder)
+            else:
+                with torch.no_grad():
+                    out = forwards[gi](j, x, kv, True)
+                inputs[c] = x
+            y = out.detach() if stage < plan.pp - 1 else None
+            del out
+            continue
+        if c in live:
+            out, kv, holder = live.pop(c)
+        else:
+            holder = {}
+            kv = ChunkKV(stores[gi], j, offsets[gi][j], rerun=True)
+            out = forwards[gi](j, _entry(inputs.pop(c), holder), kv, False)
+        outs, gs = [out], [grads.pop(c, None)]
+        for layer, k, v in kv.outputs if kv is not None else []:
+            kv_grad = stores[gi].grads_of(layer, j)
+            if kv_grad is not None:
+                outs += [k, v]
+                gs += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
+        with comm.phase("backward"):
+            torch.autograd.backward(outs, gs)
+        gin = holder.get("grad") if stage > 0 else None
+        if j == 0:
+            stores.pop(gi, None)  # the group's last backward on this stage: its keys/values go
+        del out, kv, outs, gs, holder
+    assert not live and not grads, "the schedule left chunks without their backward"

@@ -15,7 +15,9 @@ then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,10 +26,11 @@ from megasparse.chunkflow.config import sequence_limit
 from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.filter import ChunkSelection
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
-from megasparse.chunkflow.state import ChunkKV, run_group
+from megasparse.chunkflow.schedule import Schedule, gpipe_per_group, state_aware
+from megasparse.chunkflow.state import ChunkKV, run_group, run_schedule
 from megasparse.ops.compact import KeepHolder
 from megasparse.ops.documents import DocSpans
-from megasparse.parallel.pipeline import StageComm, one_f_one_b
+from megasparse.parallel.pipeline import StageComm
 
 __all__ = ["ChunkFlowStep", "RankChunks", "chunk_step"]
 
@@ -50,12 +53,15 @@ class ChunkFlowStep:
 
     def __init__(self, model, source, *, chunk_size: int, per_step: int, keep: int, dp: int, dp_rank: int,
                  device: torch.device, eod: int | None = None, max_length: int | None = None,
-                 p2p: StageComm | None = None, selection: ChunkSelection | None = None):  # fmt: skip
+                 p2p: StageComm | None = None, selection: ChunkSelection | None = None,
+                 schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
         per chunk. ``p2p``: the stage's transfers (pipeline stages; None: a single stage, every group through
-        ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` over each chunk's real tokens."""
+        ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` over each chunk's real tokens. ``schedule``:
+        the pipeline's slot table for (pp, chunks per group, K) (``schedule.py``; decision 1226)."""
+        self.schedule = schedule
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
         self.p2p = p2p
@@ -82,18 +88,16 @@ class ChunkFlowStep:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         plan, sel = work.plan, self.selection
         kept = plan.real_tokens if sel is None else sel.kept(plan)
-        singles = []
-        for group in work.groups:
-            fwd = self._forward(group, work.sequences, loss_sum, max(kept, 1), step_no)
-            if len(group.chunks) == 1 and self.p2p is not None:
-                singles.append(fwd)  # no state: ordinary 1F1B micro-batches, after the long sequences
-            else:
-                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p)
-        if singles:
-            one_f_one_b(
-                len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
-                lambda i, out, g: torch.autograd.backward(out, g),
-            )  # fmt: skip
+        fwds = [self._forward(g, work.sequences, loss_sum, max(kept, 1), step_no) for g in work.groups]
+        if self.p2p is None:
+            for group, fwd in zip(work.groups, fwds):
+                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep)
+        else:
+            lay = self.p2p.lay
+            sizes = tuple(len(g.chunks) for g in work.groups)
+            table = self.schedule(lay.pp, sizes, self.keep)
+            offsets = [[c.offset for c in g.chunks] for g in work.groups]
+            run_schedule(table, lay.pp_rank, fwds, offsets, self.c, self.p2p)
         fill = plan.real_tokens / max(plan.slots, 1)
         if self.seen is None:  # a source that cannot count its past (a test's fixed list) starts from 0
             before = getattr(self.source, "predictions_before", lambda g: 0)
@@ -139,8 +143,15 @@ def chunk_step(
     return ChunkFlowStep(
         model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
-        max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg),
+        max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), schedule=pipeline_schedule(cf),
     )  # fmt: skip
+
+
+def pipeline_schedule(cf) -> Callable[[int, tuple[int, ...], int], Schedule]:
+    """``chunkflow.pipeline_schedule``'s table builder (``cf``: the ``chunkflow`` section)."""
+    if cf.pipeline_schedule == "gpipe":
+        return gpipe_per_group
+    return partial(state_aware, window=cf.sequences_in_flight)
 
 
 def _selection(cfg) -> ChunkSelection | None:
