@@ -110,55 +110,41 @@ def _entry(x: torch.Tensor | None, holder: dict) -> torch.Tensor | None:
     return None if x is None else catch_grad(x.requires_grad_(), holder)
 
 
-def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int, p2p: StageComm | None = None) -> None:
-    """Chunks of one group forward in order, backward in reverse; at most ``keep`` (K >= 1) keep their graphs
-    from the forward, the others rerun theirs just before their backward.
-
-    ``p2p``: this pipeline stage's transfers (None: one stage). Every stage runs the group's forwards in chunk
-    order, receiving each chunk's input from the previous stage and sending its output on, then the backwards in
-    reverse order, receiving output gradients and sending input gradients back: both ends of every link see the
-    same order. A rerun starts from the chunk's received input, kept (detached) from its first forward: the
-    recompute is local to each stage, no transfer is repeated."""
+def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int) -> None:
+    """One stage (pp = 1): chunks of one group forward in order, backward in reverse; at most ``keep`` (K >= 1) keep
+    their graphs from the forward, the others rerun theirs from their input just before their backward. (Under
+    pp > 1 the same per-chunk steps run from a slot table: ``run_schedule``.)"""
     n = len(offsets)
     store = KVStore(n, chunk_size)
-    live: dict[int, tuple[torch.Tensor, ChunkKV, dict]] = {}
-    inputs: dict[int, torch.Tensor | None] = {}
+    live: dict[int, tuple[torch.Tensor, ChunkKV]] = {}
     for j in range(n):
-        x = None if p2p is None else p2p.recv_forward()
         kv = ChunkKV(store, j, offsets[j])
         if j >= n - keep:
-            holder: dict = {}
-            out = forward(j, _entry(x, holder), kv, True)
-            live[j] = (out, kv, holder)
+            live[j] = (forward(j, None, kv, True), kv)
         else:
             with torch.no_grad():
-                out = forward(j, x, kv, True)
-            inputs[j] = x
-        if p2p is not None:
-            p2p.send_forward(out)  # (the last stage has no next: its loss stays)
-        del out
+                forward(j, None, kv, True)
     for j in reversed(range(n)):
-        g = None
-        if p2p is not None:
-            with comm.phase("backward"):
-                g = p2p.recv_backward()
         if j in live:
-            out, kv, holder = live.pop(j)
+            out, kv = live.pop(j)
         else:
-            holder = {}
             kv = ChunkKV(store, j, offsets[j], rerun=True)
-            out = forward(j, _entry(inputs.pop(j), holder), kv, False)
-        outs, grads = [out], [g]
-        for layer, k, v in kv.outputs:
-            kv_grad = store.grads_of(layer, j)
-            if kv_grad is not None:
-                outs += [k, v]
-                grads += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
+            out = forward(j, None, kv, False)
+        _backward(store, j, kv, out, None)
+        del out, kv  # this chunk's graph goes now: memory follows K, not the group's length
+
+
+def _backward(store: KVStore | None, j: int, kv: ChunkKV | None, out: torch.Tensor, g: torch.Tensor | None) -> None:
+    """Chunk j's one ``autograd.backward``: from its output (gradient ``g``; None: the loss) and from its keys/values,
+    whose gradients the later chunks left in the store."""
+    outs, grads = [out], [g]
+    for layer, k, v in kv.outputs if kv is not None else []:
+        kv_grad = store.grads_of(layer, j)
+        if kv_grad is not None:
+            outs += [k, v]
+            grads += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
+    with comm.phase("backward"):
         torch.autograd.backward(outs, grads)
-        if p2p is not None:
-            with comm.phase("backward"):
-                p2p.send_backward(holder.get("grad"))  # (the first stage has no previous: nothing is sent)
-        del out, kv, outs, grads, holder  # this chunk's graph goes now: memory follows K, not the group's length
 
 
 def run_schedule(
@@ -213,16 +199,9 @@ def run_schedule(
             holder = {}
             kv = ChunkKV(stores[gi], j, offsets[gi][j], rerun=True)
             out = forwards[gi](j, _entry(inputs.pop(c), holder), kv, False)
-        outs, gs = [out], [grads.pop(c, None)]
-        for layer, k, v in kv.outputs if kv is not None else []:
-            kv_grad = stores[gi].grads_of(layer, j)
-            if kv_grad is not None:
-                outs += [k, v]
-                gs += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
-        with comm.phase("backward"):
-            torch.autograd.backward(outs, gs)
+        _backward(stores.get(gi), j, kv, out, grads.pop(c, None))
         gin = holder.get("grad") if stage > 0 else None
         if j == 0:
             stores.pop(gi, None)  # the group's last backward on this stage: its keys/values go
-        del out, kv, outs, gs, holder
+        del out, kv, holder  # this chunk's graph goes now
     assert not live and not grads, "the schedule left chunks without their backward"
