@@ -1,0 +1,56 @@
+"""ChunkFlow's pipeline schedules in simulated slots: idle stage-slots of the state-aware 1F1B against the
+GPipe-per-group order on long-tail steps (decision 1226's table). Pure Python, CPU, a few seconds.
+
+    python benchmarks/sim_chunkflow_schedule.py [--steps 20] [--sequences 64] [--max-length 32768]
+        [--chunk-sizes 4096,8192] [--pp 2,4] [--keeps 1,4] [--pack | --no-pack]
+
+Lengths come from ``megasparse data longtail``'s distribution (``data/longtail.py``: about 90% of sequences at
+or below 4K tokens, a tail to 32K), ``--sequences`` per step, planned by ``chunkflow/plan.py`` for one DP rank
+(``--pack``: short sequences share chunks, as under document attention). A slot is one chunk forward or backward
+on one stage, all of equal length, transfers free, the K-bound rerun not counted: the numbers compare orders, not
+GPU time. ``idle`` sums over the steps; ``peak`` is the most chunks holding activations on a stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from megasparse.chunkflow.plan import plan_step
+from megasparse.chunkflow.schedule import gpipe_per_group, simulate, state_aware
+from megasparse.data.longtail import LongTailSpec, longtail_lengths
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--sequences", type=int, default=64)
+    p.add_argument("--max-length", type=int, default=32768)
+    p.add_argument("--chunk-sizes", default="4096,8192")
+    p.add_argument("--pp", default="2,4")
+    p.add_argument("--keeps", default="1,4")
+    p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True)
+    a = p.parse_args()
+    lengths = longtail_lengths(LongTailSpec(docs=a.steps * a.sequences, max_length=a.max_length))
+    print(f"{a.steps} steps of {a.sequences} sequences, max {a.max_length} tokens, pack={a.pack}")
+    print("| chunk | pp | K | chunks/step | gpipe slots | idle | peak | state-aware slots | idle | peak "
+          "| 2 in flight: slots | idle | peak |")  # fmt: skip
+    print("|---" * 13 + "|")
+    for c in (int(x) for x in a.chunk_sizes.split(",")):
+        plans = [plan_step([int(n) for n in part], c, dp=1, pack=a.pack) for part in np.split(lengths, a.steps)]
+        sizes = [tuple(len(g.chunks) for g in pl.groups) for pl in plans]
+        for pp in (int(x) for x in a.pp.split(",")):
+            for k in (int(x) for x in a.keeps.split(",")):
+                row = [c, pp, k, f"{np.mean([sum(s) for s in sizes]):.1f}"]
+                for build in (gpipe_per_group, state_aware, lambda p, s, k: state_aware(p, s, k, window=2)):
+                    reps = [simulate(build(pp, s, k)) for s in sizes]
+                    total = sum(r.length for r in reps) * pp
+                    idle = sum(r.idle for r in reps)
+                    row += [sum(r.length for r in reps), f"{idle} ({idle / total:.1%})"]
+                    row += [max(max(r.peak_graphs) for r in reps)]
+                print("| " + " | ".join(str(x) for x in row) + " |")
+
+
+if __name__ == "__main__":
+    main()
