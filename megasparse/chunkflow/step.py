@@ -8,9 +8,10 @@ step's real predictions, so the trainer's mean loss and tokens/s are over real t
 is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask``), known on every rank
 from the plan: no collective.
 
-The order is group by group (all chunks of one sequence, forwards then reversed backwards, through every stage);
-then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this is not a
-``step/schedule.py`` schedule).
+On one stage the order is group by group (all chunks of one sequence forward, then backward in reverse). Under
+pp > 1 every stage runs its row of a slot table (``schedule.py``: by default the state-aware 1F1B, where the
+single-chunk groups fill a long sequence's fill and drain; decision 1226) through ``state.run_schedule``
+(decision 1222: why this is not a ``step/schedule.py`` schedule).
 """
 
 from __future__ import annotations
