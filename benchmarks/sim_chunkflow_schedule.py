@@ -7,13 +7,16 @@ GPipe-per-group order on long-tail steps (decision 1226's table). Pure Python, C
 Lengths come from ``megasparse data longtail``'s distribution (``data/longtail.py``: about 90% of sequences at
 or below 4K tokens, a tail to 32K), ``--sequences`` per step, planned by ``chunkflow/plan.py`` for one DP rank
 (``--pack``: short sequences share chunks, as under document attention). A slot is one chunk forward or backward
-on one stage, all of equal length, transfers free, the K-bound rerun not counted: the numbers compare orders, not
-GPU time. ``idle`` sums over the steps; ``peak`` is the most chunks holding activations on a stage.
+on one stage, all of equal length, transfers free, the K-bound rerun not counted; "idle time" runs the same
+tables with a backward twice a forward and a rerun adding a forward (stages asynchronous, meeting at transfers).
+Both compare orders, not GPU time. Idle sums over the steps; ``peak`` is the most chunks holding activations on a
+stage.
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import numpy as np
 
@@ -34,22 +37,23 @@ def main() -> None:
     a = p.parse_args()
     lengths = longtail_lengths(LongTailSpec(docs=a.steps * a.sequences, max_length=a.max_length))
     print(f"{a.steps} steps of {a.sequences} sequences, max {a.max_length} tokens, pack={a.pack}")
-    print("| chunk | pp | K | chunks/step | gpipe slots | idle | peak | state-aware slots | idle | peak "
-          "| 2 in flight: slots | idle | peak |")  # fmt: skip
-    print("|---" * 13 + "|")
+    print("| chunk | pp | K | chunks/step | order | slots | idle slots | idle time, B = 2F | peak |")
+    print("|---" * 9 + "|")
+    orders = {"gpipe": gpipe_per_group, "state-aware": state_aware, "2 in flight": partial(state_aware, window=2)}
     for c in (int(x) for x in a.chunk_sizes.split(",")):
         plans = [plan_step([int(n) for n in part], c, dp=1, pack=a.pack) for part in np.split(lengths, a.steps)]
         sizes = [tuple(len(g.chunks) for g in pl.groups) for pl in plans]
         for pp in (int(x) for x in a.pp.split(",")):
             for k in (int(x) for x in a.keeps.split(",")):
-                row = [c, pp, k, f"{np.mean([sum(s) for s in sizes]):.1f}"]
-                for build in (gpipe_per_group, state_aware, lambda p, s, k: state_aware(p, s, k, window=2)):
+                for name, build in orders.items():
                     reps = [simulate(build(pp, s, k)) for s in sizes]
-                    total = sum(r.length for r in reps) * pp
-                    idle = sum(r.idle for r in reps)
-                    row += [sum(r.length for r in reps), f"{idle} ({idle / total:.1%})"]
+                    timed_ = [simulate(build(pp, s, k), t_f=1.0, t_b=2.0, t_rerun=1.0) for s in sizes]
+                    slots, idle = sum(r.length for r in reps), sum(r.idle for r in reps)
+                    span, idle_t = sum(r.time for r in timed_), sum(r.idle_time for r in timed_)
+                    row = [c, pp, k, f"{np.mean([sum(s) for s in sizes]):.1f}", name, slots]
+                    row += [f"{idle} ({idle / (slots * pp):.1%})", f"{idle_t:.0f} ({idle_t / (span * pp):.1%})"]
                     row += [max(max(r.peak_graphs) for r in reps)]
-                print("| " + " | ".join(str(x) for x in row) + " |")
+                    print("| " + " | ".join(str(x) for x in row) + " |")
 
 
 if __name__ == "__main__":

@@ -208,10 +208,18 @@ class Report:
     idle: int
     peak_graphs: list[int]
     """Per stage: chunks holding their autograd graph at once (a rerun's graph counted in its B slot)."""
+    time: float
+    """The step's makespan with ``simulate``'s op times (the stages run asynchronously, meeting at transfers)."""
+    idle_time: float
+    """pp · time − the stages' busy time: the bubble in those units."""
 
 
-def simulate(s: Schedule) -> Report:
+def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_rerun: float = 0.0) -> Report:
     """Run every stage's ops and boundary transfers as separate processes against each other.
+
+    ``t_f``/``t_b``: a chunk forward's / backward's time, ``t_rerun``: what a rerun adds to a backward (the
+    forward again: ``t_f``); with them each stage keeps a clock (a batch completes when its last peer posted it,
+    transfers take no time) for ``Report.time``/``idle_time``. ``length``/``idle`` count the table's slots.
 
     Each boundary's sends and receives are posted as one batch that completes when every peer has posted the
     matching op (rendezvous, as gloo and NCCL behave): a stage with nothing at a boundary posts nothing and runs
@@ -244,6 +252,7 @@ def simulate(s: Schedule) -> Report:
     graphs = [0] * P
     seq_graphs: list[dict[int, int]] = [{} for _ in range(P)]
     peak = [0] * P
+    clock, busy = [0.0] * P, [0.0] * P
     other = {"send": "recv", "recv": "send"}
     while True:
         moved = False
@@ -254,6 +263,9 @@ def simulate(s: Schedule) -> Report:
                     _check_op(s, r, ev, have[r], fdone[r], bdone[r])
                     kind, c = ev
                     g = c[0]
+                    dt = t_f if kind == "F" else t_b + (0.0 if s.kept(c) else t_rerun)
+                    clock[r] += dt
+                    busy[r] += dt
                     if kind == "F":
                         fdone[r].add(c)
                         if s.kept(c):
@@ -274,13 +286,14 @@ def simulate(s: Schedule) -> Report:
                         waiting[r] = []
                         for kind, ch, label in ev:
                             lst = posted.setdefault(ch, {"send": [], "recv": []})[kind]
-                            lst.append(label)
+                            lst.append((clock[r], label))
                             waiting[r].append((kind, ch, len(lst) - 1))
                     if any(len(posted[ch][other[kind]]) <= n for kind, ch, n in waiting[r]):
                         break  # a peer has not posted its side yet
                     for kind, ch, n in waiting[r]:
-                        mine, theirs = posted[ch][kind][n], posted[ch][other[kind]][n]
+                        (t_me, mine), (t_peer, theirs) = posted[ch][kind][n], posted[ch][other[kind]][n]
                         assert mine == theirs, f"link {ch}: {kind} {mine} met {theirs}"
+                        clock[r] = max(clock[r], t_me, t_peer)
                         if kind == "recv":
                             have[r].add(mine)
                     waiting[r] = None
@@ -292,7 +305,8 @@ def simulate(s: Schedule) -> Report:
     assert not stuck, f"deadlock: stages {stuck} wait (pp={P}, groups={s.sizes}, K={s.keep})"
     for r in range(P):
         assert len(fdone[r]) == len(bdone[r]) == total == len(s.order(r)) / 2, f"stage {r} misses chunks"
-    return Report(T, P * T - 2 * P * total, peak)
+    makespan = max(clock)
+    return Report(T, P * T - 2 * P * total, peak, makespan, P * makespan - sum(busy))
 
 
 def _check_op(s: Schedule, r: int, op: Op, have: set, fdone: set, bdone: set) -> None:
