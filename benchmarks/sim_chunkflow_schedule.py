@@ -2,15 +2,16 @@
 GPipe-per-group order on long-tail steps (decision 1226's table). Pure Python, CPU, a few seconds.
 
     python benchmarks/sim_chunkflow_schedule.py [--steps 20] [--sequences 64] [--max-length 32768]
-        [--chunk-sizes 4096,8192] [--pp 2,4] [--keeps 1,4] [--pack | --no-pack]
+        [--chunk-sizes 4096,8192] [--pp 2,4] [--keeps 1,4] [--pack | --no-pack] [--weighted-tables]
 
 Lengths come from ``megasparse data longtail``'s distribution (``data/longtail.py``: about 90% of sequences at
 or below 4K tokens, a tail to 32K), ``--sequences`` per step, planned by ``chunkflow/plan.py`` for one DP rank
 (``--pack``: short sequences share chunks, as under document attention). A slot is one chunk forward or backward
-on one stage, all of equal length, transfers free, the K-bound rerun not counted; "idle time" runs the same
-tables with a backward twice a forward and a rerun adding a forward (stages asynchronous, meeting at transfers).
-Both compare orders, not GPU time. Idle sums over the steps; ``peak`` is the most chunks holding activations on a
-stage.
+on one stage, each op one slot as the trainer builds them (``--weighted-tables``: forward, backward and rerun of
+1, 2, 1 slots). "idle slots" counts the table (sends buffered); "idle time" runs it with a backward twice a
+forward and a K-bound rerun one more (``schedule.COST``), with each stage on its own clock meeting its
+neighbours at rendezvous transfers, as the executor does. Transfers take no time. Both compare orders, not GPU
+time. Idle sums over the steps; ``peak`` is the most chunks holding activations on a stage.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from functools import partial
 import numpy as np
 
 from megasparse.chunkflow.plan import plan_step
-from megasparse.chunkflow.schedule import gpipe_per_group, simulate, state_aware
+from megasparse.chunkflow.schedule import COST, UNIT, gpipe_per_group, simulate, state_aware
 from megasparse.data.longtail import LongTailSpec, longtail_lengths
 
 
@@ -34,9 +35,12 @@ def main() -> None:
     p.add_argument("--pp", default="2,4")
     p.add_argument("--keeps", default="1,4")
     p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--weighted-tables", action="store_true", help="build the tables with COST slots, not one per op")
     a = p.parse_args()
     lengths = longtail_lengths(LongTailSpec(docs=a.steps * a.sequences, max_length=a.max_length))
     print(f"{a.steps} steps of {a.sequences} sequences, max {a.max_length} tokens, pack={a.pack}")
+    cost = COST if a.weighted_tables else UNIT
+    print(f"tables built with (F, B, rerun) = {cost} slots; idle time with {COST}")
     print("| chunk | pp | K | chunks/step | order | slots | idle slots | idle time, B = 2F | peak |")
     print("|---" * 9 + "|")
     orders = {"gpipe": gpipe_per_group, "state-aware": state_aware, "2 in flight": partial(state_aware, window=2)}
@@ -46,10 +50,9 @@ def main() -> None:
         for pp in (int(x) for x in a.pp.split(",")):
             for k in (int(x) for x in a.keeps.split(",")):
                 for name, build in orders.items():
-                    reps = [simulate(build(pp, s, k)) for s in sizes]
-                    timed_ = [simulate(build(pp, s, k), t_f=1.0, t_b=2.0, t_rerun=1.0) for s in sizes]
+                    reps = [simulate(build(pp, s, k, cost=cost)) for s in sizes]
                     slots, idle = sum(r.length for r in reps), sum(r.idle for r in reps)
-                    span, idle_t = sum(r.time for r in timed_), sum(r.idle_time for r in timed_)
+                    span, idle_t = sum(r.time for r in reps), sum(r.idle_time for r in reps)
                     row = [c, pp, k, f"{np.mean([sum(s) for s in sizes]):.1f}", name, slots]
                     row += [f"{idle} ({idle / (slots * pp):.1%})", f"{idle_t:.0f} ({idle_t / (span * pp):.1%})"]
                     row += [max(max(r.peak_graphs) for r in reps)]

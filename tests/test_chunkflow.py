@@ -426,20 +426,22 @@ def _random_sizes(rng: np.random.Generator) -> tuple[int, ...]:
 
 
 def test_pipeline_schedules_pair_every_transfer_and_keep_the_order() -> None:
-    """On many random long-tail plans (pp 2-4, K 1-12): every boundary's sends meet their receives in the same order
-    on both ends and no stage waits forever; (a)-(c) hold (``simulate`` raises otherwise); the state-aware table
-    idles no more than the GPipe-per-group order, its activations stay within K per sequence plus 1F1B's pp − r
-    independent chunks per stage."""
-    from megasparse.chunkflow.schedule import gpipe_per_group, simulate, state_aware
+    """On many random long-tail plans (pp 2-4, K 1-12; tables of one slot per op, or 1, 2, 1 for F, B, rerun):
+    every boundary's sends meet their receives in the same order on both ends and no stage waits forever; (a)-(c)
+    hold (``simulate`` raises otherwise); the state-aware table idles no more than the GPipe-per-group order, in
+    table slots and in the stages' own clocks (B = 2F, rendezvous transfers), and its activations stay within K per
+    sequence plus 1F1B's pp − r independent chunks per stage."""
+    from megasparse.chunkflow.schedule import COST, UNIT, gpipe_per_group, simulate, state_aware
 
     rng = np.random.default_rng(30)
     fewer = 0
-    for _ in range(300):
+    for i in range(300):
         pp, keep, sizes = int(rng.integers(2, 5)), int(rng.integers(1, 13)), _random_sizes(rng)
-        old = simulate(gpipe_per_group(pp, sizes, keep))
+        cost = COST if i % 2 else UNIT
+        old = simulate(gpipe_per_group(pp, sizes, keep, cost))
         for window in (1, 2):
-            new = simulate(state_aware(pp, sizes, keep, window))
-            assert new.idle <= old.idle, (pp, sizes, keep, window, old.idle, new.idle)
+            new = simulate(state_aware(pp, sizes, keep, window, cost))
+            assert new.idle <= old.idle and new.time <= old.time, (pp, sizes, keep, window, cost, old, new)
             seq = max([min(keep, n) for n in sizes if n > 1], default=0)
             singles = sizes.count(1)
             assert all(new.peak_graphs[r] <= window * seq + min(pp - r, singles) for r in range(pp)), new

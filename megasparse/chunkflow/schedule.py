@@ -10,11 +10,13 @@ A rank's step is its groups (``plan.Group``): a long sequence's dependent chunks
     from the forward, the earlier ones keep only their received input and run forward again inside their B slot;
 (d) F on stage r after F on stage r − 1 (its input), B on stage r after B on stage r + 1 (its output gradient).
 
-Time is counted in slots (one chunk forward or backward each, the same length: simulated slots, not GPU time, and
-the rerun inside a B slot is not counted). Both schedules below are a table ``slots[stage][t]`` of ``("F"|"B",
-chunk)`` or None (idle); a transfer crosses the boundary after the slot that produced it, and the executor
+Time is counted in slots: a table is built with every op one slot long (``UNIT``; an op may take several, the
+``cost`` argument). Both schedules below are a table ``slots[stage][t]`` of the ``("F"|"B", chunk)`` a stage
+starts in slot t, or None; a transfer crosses the boundary after the slot that finished it, and the executor
 (``state.run_schedule``) posts at boundary t exactly the sends and receives ``transfers(t)`` names, the same on
-both ends of every link.
+both ends of every link. ``simulate`` checks a table and measures it twice: idle slots of the table, and idle
+time with each stage on its own clock (a backward twice a forward, a rerun one more forward: ``COST``) meeting
+its neighbours at rendezvous transfers, as the executor runs. Simulated slots and clocks, not GPU time.
 
 * ``gpipe_per_group``: the order before decision 1226: each long sequence's chunks all forwards then all backwards
   in reverse, filling and draining the pipeline on its own, then the single-chunk groups as 1F1B micro-batches.
@@ -30,12 +32,22 @@ Pure Python: no torch, no process group.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 ChunkId = tuple[int, int]
 """(group, chunk index in the group), the group's index in the rank's list."""
 Op = tuple[str, ChunkId]
 """("F" | "B", chunk)."""
+
+
+UNIT = (1, 1, 0)
+"""(forward, backward, rerun) slots the trainer's tables are built with: one slot per op. Built with ``COST``
+instead, the greedy table is a few % faster at pp 2 and up to 8% slower at pp 3-4 under ``COST``'s clocks on a
+long-tail sample (decision 1226), so the plain table it is."""
+COST = (1, 2, 1)
+"""Times of a chunk's forward, its backward, and what a rerun adds to a backward (the forward again): B ≈ 2F, what
+``simulate``'s clocks use by default."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +60,9 @@ class Schedule:
     keep: int
     """K: chunks of one group that keep their activations on a stage."""
     slots: tuple[tuple[Op | None, ...], ...]
-    """slots[stage][t]: what the stage computes in slot t (None: idle)."""
+    """slots[stage][t]: the op the stage starts in slot t (None: idle, or still running an earlier op)."""
+    cost: tuple[int, int, int] = UNIT
+    """(forward, backward, rerun) slots of the table's ops."""
 
     @property
     def length(self) -> int:
@@ -58,16 +72,29 @@ class Schedule:
         """Whether chunk c keeps its graph from the forward (else it reruns before its backward)."""
         return c[1] >= self.sizes[c[0]] - self.keep
 
+    def dur(self, op: Op) -> int:
+        f, b, rerun = self.cost
+        return f if op[0] == "F" else b + (0 if self.kept(op[1]) else rerun)
+
     def order(self, stage: int) -> list[Op]:
         return [op for op in self.slots[stage] if op is not None]
 
     def at(self, stage: int, t: int) -> Op | None:
+        """The op stage ``stage`` starts in slot t."""
         return self.slots[stage][t] if 0 <= t < self.length and 0 <= stage < self.pp else None
+
+    @functools.cached_property
+    def _ends(self) -> list[dict[int, Op]]:
+        return [{t + self.dur(op) - 1: op for t, op in enumerate(row) if op is not None} for row in self.slots]
+
+    def ending(self, stage: int, t: int) -> Op | None:
+        """The op stage ``stage`` finishes in slot t."""
+        return self._ends[stage].get(t) if 0 <= stage < self.pp else None
 
     def transfers(self, stage: int, t: int) -> tuple[ChunkId | None, ChunkId | None, ChunkId | None, ChunkId | None]:
         """At boundary t (before slot t): (activation sent on, activation received, input gradient sent back,
-        output gradient received), each the chunk it belongs to or None; what slot t − 1 produced crosses here."""
-        mine, prev, nxt = self.at(stage, t - 1), self.at(stage - 1, t - 1), self.at(stage + 1, t - 1)
+        output gradient received), each the chunk it belongs to or None; what finished in slot t − 1 crosses."""
+        mine, prev, nxt = self.ending(stage, t - 1), self.ending(stage - 1, t - 1), self.ending(stage + 1, t - 1)
         last, first = stage == self.pp - 1, stage == 0
         send_x = mine[1] if mine is not None and mine[0] == "F" and not last else None
         send_g = mine[1] if mine is not None and mine[0] == "B" and not first else None
@@ -80,29 +107,35 @@ def _chunks(sizes: tuple[int, ...]) -> int:
     return sum(sizes)
 
 
-def timed(pp: int, sizes: tuple[int, ...], keep: int, orders: list[list[Op]]) -> Schedule:
-    """Place each stage's ``orders`` in the earliest slots their dependencies allow (one op per stage per slot)."""
-    when: dict[tuple[int, Op], int] = {}
-    rows: list[list[Op | None]] = [[] for _ in range(pp)]
-    pos = [0] * pp
+def _rows(pp: int, starts: list[dict[int, Op]], length: int) -> tuple[tuple[Op | None, ...], ...]:
+    return tuple(tuple(starts[r].get(t) for t in range(length)) for r in range(pp))
+
+
+def timed(pp: int, sizes: tuple[int, ...], keep: int, orders: list[list[Op]], cost=UNIT) -> Schedule:
+    """Start each stage's ``orders`` in the earliest slots their dependencies allow (one op at a time per stage)."""
+    probe = Schedule(pp, sizes, keep, ((),) * pp, cost)
+    end: dict[tuple[int, Op], int] = {}  # (stage, op) -> the slot after its last
+    starts: list[dict[int, Op]] = [{} for _ in range(pp)]
+    pos, free = [0] * pp, [0] * pp
     t = 0
     while any(pos[r] < len(orders[r]) for r in range(pp)):
-        picks = []
+        started = False
         for r in range(pp):
             op = orders[r][pos[r]] if pos[r] < len(orders[r]) else None
-            picks.append(op if op is not None and _deps_done(when, r, op, pp, t) else None)
-        if not any(picks):
+            if op is None or free[r] > t or not _deps_done(end, r, op, pp, t):
+                continue
+            starts[r][t], pos[r], started = op, pos[r] + 1, True
+            free[r] = t + probe.dur(op)
+        if not started and all(f <= t for f in free):
             raise AssertionError(f"the orders wait on each other at slot {t} (pp={pp}, groups={sizes})")
-        for r, op in enumerate(picks):
-            rows[r].append(op)
-            if op is not None:
-                when[(r, op)] = t
-                pos[r] += 1
+        for r in range(pp):  # record ends only after every stage decided slot t
+            if t in starts[r]:
+                end[(r, starts[r][t])] = free[r]
         t += 1
-    return Schedule(pp, sizes, keep, tuple(tuple(row) for row in rows))
+    return Schedule(pp, sizes, keep, _rows(pp, starts, max(free)), cost)
 
 
-def _deps_done(when: dict, r: int, op: Op, pp: int, t: int) -> bool:
+def _deps_done(end: dict, r: int, op: Op, pp: int, t: int) -> bool:
     kind, (g, j) = op
     need = []
     if kind == "F":
@@ -110,10 +143,10 @@ def _deps_done(when: dict, r: int, op: Op, pp: int, t: int) -> bool:
         need += [(r, ("F", (g, j - 1)))] if j > 0 else []
     else:
         need += [(r, ("F", (g, j)))] + ([(r + 1, op)] if r < pp - 1 else [])
-    return all(when.get(k, t) < t for k in need)  # (a same-stage predecessor is earlier in the order anyway)
+    return all(end.get(k, t + 1) <= t for k in need)
 
 
-def gpipe_per_group(pp: int, sizes: tuple[int, ...], keep: int) -> Schedule:
+def gpipe_per_group(pp: int, sizes: tuple[int, ...], keep: int, cost=UNIT) -> Schedule:
     """The order before decision 1226 (``state.run_group`` per long sequence, then ``pipeline.one_f_one_b``)."""
     orders: list[list[Op]] = []
     singles = [(g, 0) for g, n in enumerate(sizes) if n == 1]
@@ -128,57 +161,60 @@ def gpipe_per_group(pp: int, sizes: tuple[int, ...], keep: int) -> Schedule:
             order += [("F", singles[warm + i]), ("B", singles[i])]
         order += [("B", c) for c in singles[len(singles) - warm :]]
         orders.append(order)
-    return timed(pp, sizes, keep, orders)
+    return timed(pp, sizes, keep, orders, cost)
 
 
-def state_aware(pp: int, sizes: tuple[int, ...], keep: int, window: int = 1) -> Schedule:
+def state_aware(pp: int, sizes: tuple[int, ...], keep: int, window: int = 1, cost=UNIT) -> Schedule:
     """ChunkFlow's state-aware 1F1B (module docstring), built slot by slot on all stages at once. ``window``: long
     sequences in progress on a stage at once (1: the next one starts after the previous one's last backward there;
     2: its forwards may fill the previous one's turnaround, holding both sequences' keys/values)."""
+    probe = Schedule(pp, sizes, keep, ((),) * pp, cost)
     longs = [g for g, n in enumerate(sizes) if n > 1]
     singles = [(g, 0) for g, n in enumerate(sizes) if n == 1]
-    fdone: list[set[ChunkId]] = [set() for _ in range(pp)]
-    bdone: list[set[ChunkId]] = [set() for _ in range(pp)]
+    fend: list[dict[ChunkId, int]] = [{} for _ in range(pp)]  # chunk -> the slot after its forward / backward
+    bend: list[dict[ChunkId, int]] = [{} for _ in range(pp)]
     fseq, fj = [0] * pp, [0] * pp  # the long sequence (index into longs) forwarding on the stage, its next chunk
-    bj = [dict() for _ in range(pp)]  # backwards done per long sequence in progress (not finished) on the stage
+    bj = [dict() for _ in range(pp)]  # backwards started per long sequence in progress on the stage
     si, flight = [0] * pp, [[] for _ in range(pp)]  # next independent chunk to forward; those between F and B
-    rows: list[list[Op | None]] = [[] for _ in range(pp)]
+    starts: list[dict[int, Op]] = [{} for _ in range(pp)]
+    free = [0] * pp
     total = _chunks(sizes)
 
-    def has_in(r: int, c: ChunkId) -> bool:  # the input arrived (forwarded upstream in an earlier slot)
-        return r == 0 or c in fdone[r - 1]
+    def has_in(r: int, c: ChunkId, t: int) -> bool:  # the input arrived (its forward upstream has finished)
+        return r == 0 or fend[r - 1].get(c, t + 1) <= t
 
-    def has_grad(r: int, c: ChunkId) -> bool:  # the output gradient arrived
-        return r == pp - 1 or c in bdone[r + 1]
+    def has_grad(r: int, c: ChunkId, t: int) -> bool:  # the output gradient arrived
+        return r == pp - 1 or bend[r + 1].get(c, t + 1) <= t
 
-    def pick(r: int) -> Op | None:
+    def pick(r: int, t: int) -> Op | None:
         for k, done in sorted(bj[r].items()):  # backwards of the sequences forwarded here, oldest first
             c = (longs[k], sizes[longs[k]] - 1 - done)
-            if k < fseq[r] and has_grad(r, c):
+            if k < fseq[r] and done < sizes[longs[k]] and has_grad(r, c, t):
                 return "B", c
-        ready = [c for c in flight[r] if has_grad(r, c)]
+        ready = [c for c in flight[r] if has_grad(r, c, t)]
         if ready:
             return "B", ready[0]
         seq = longs[fseq[r]] if fseq[r] < len(longs) else None
-        if seq is not None and (fj[r] or len(bj[r]) < window) and has_in(r, (seq, fj[r])):
+        if seq is not None and (fj[r] or len(bj[r]) < window) and has_in(r, (seq, fj[r]), t):
             return "F", (seq, fj[r])
-        if si[r] < len(singles) and len(flight[r]) < pp - r and has_in(r, singles[si[r]]):
+        if si[r] < len(singles) and len(flight[r]) < pp - r and has_in(r, singles[si[r]], t):
             return "F", singles[si[r]]
         return None
 
     t = 0
-    while any(len(bdone[r]) < total for r in range(pp)):
-        picks = [pick(r) for r in range(pp)]  # every stage decides on what slots < t left
-        if not any(picks):
+    while any(len(bend[r]) < total for r in range(pp)):
+        picks = [pick(r, t) if free[r] <= t else None for r in range(pp)]  # on what finished before slot t
+        if not any(picks) and all(f <= t for f in free):
             raise AssertionError(f"state-aware schedule stuck at slot {t} (pp={pp}, groups={sizes}, K={keep})")
         for r, op in enumerate(picks):
-            rows[r].append(op)
             if op is None:
                 continue
+            starts[r][t] = op
+            free[r] = t + probe.dur(op)
             kind, c = op
             single = sizes[c[0]] == 1
             if kind == "F":
-                fdone[r].add(c)
+                fend[r][c] = free[r]
                 if single:
                     flight[r].append(c)
                     si[r] += 1
@@ -188,16 +224,16 @@ def state_aware(pp: int, sizes: tuple[int, ...], keep: int, window: int = 1) -> 
                     if fj[r] == sizes[c[0]]:
                         fseq[r], fj[r] = fseq[r] + 1, 0
             else:
-                bdone[r].add(c)
+                bend[r][c] = free[r]
                 if single:
                     flight[r].remove(c)
                 else:
                     k = longs.index(c[0])
                     bj[r][k] += 1
-                    if bj[r][k] == sizes[c[0]]:
+                    if bj[r][k] == sizes[c[0]] and c[1] == 0:
                         del bj[r][k]
         t += 1
-    return Schedule(pp, sizes, keep, tuple(tuple(row) for row in rows))
+    return Schedule(pp, sizes, keep, _rows(pp, starts, max(free)), cost)
 
 
 @dataclass
@@ -214,12 +250,12 @@ class Report:
     """pp · time − the stages' busy time: the bubble in those units."""
 
 
-def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_rerun: float = 0.0) -> Report:
+def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
     """Run every stage's ops and boundary transfers as separate processes against each other.
 
-    ``t_f``/``t_b``: a chunk forward's / backward's time, ``t_rerun``: what a rerun adds to a backward (the
-    forward again: ``t_f``); with them each stage keeps a clock (a batch completes when its last peer posted it,
-    transfers take no time) for ``Report.time``/``idle_time``. ``length``/``idle`` count the table's slots.
+    ``times``: (forward, backward, rerun) durations for the clocks each stage keeps (a batch completes when its
+    last peer posted it, transfers take no time): ``Report.time``/``idle_time``.
+    ``length``/``idle`` count the table's slots.
 
     Each boundary's sends and receives are posted as one batch that completes when every peer has posted the
     matching op (rendezvous, as gloo and NCCL behave): a stage with nothing at a boundary posts nothing and runs
@@ -263,6 +299,7 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_rerun: float = 0
                     _check_op(s, r, ev, have[r], fdone[r], bdone[r])
                     kind, c = ev
                     g = c[0]
+                    t_f, t_b, t_rerun = times
                     dt = t_f if kind == "F" else t_b + (0.0 if s.kept(c) else t_rerun)
                     clock[r] += dt
                     busy[r] += dt
@@ -306,7 +343,8 @@ def simulate(s: Schedule, t_f: float = 1.0, t_b: float = 1.0, t_rerun: float = 0
     for r in range(P):
         assert len(fdone[r]) == len(bdone[r]) == total == len(s.order(r)) / 2, f"stage {r} misses chunks"
     makespan = max(clock)
-    return Report(T, P * T - 2 * P * total, peak, makespan, P * makespan - sum(busy))
+    work = sum(s.dur(op) for r in range(P) for op in s.order(r))
+    return Report(T, P * T - work, peak, makespan, P * makespan - sum(busy))
 
 
 def _check_op(s: Schedule, r: int, op: Op, have: set, fdone: set, bdone: set) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from megasparse.chunkflow.schedule import ChunkId, Schedule
+from megasparse.chunkflow.schedule import ChunkId, Op, Schedule
 from megasparse.ops.prefix_attention import prefix_attention
 from megasparse.parallel import comm
 from megasparse.parallel.pipeline import StageComm, catch_grad
@@ -154,23 +154,25 @@ def run_schedule(
     ``offsets[g][j]``, a long group's chunks over its ``KVStore`` (one per group, dropped after its chunk 0's
     backward), an independent chunk (a group of one) with no state.
 
-    At each boundary the stage posts in one exchange what ``plan.transfers`` names: the output of its last slot's
-    forward and the input gradient of its last slot's backward go out, what the neighbours' last slots produced
-    comes in and waits, filed by chunk, until its slot. Forwards keep their graphs for chunks ``plan.kept`` says;
+    At each boundary the stage posts in one exchange what ``plan.transfers`` names: the output of the forward and
+    the input gradient of the backward it finished in the slot before go out, what the neighbours finished then
+    comes in and waits, filed by chunk, until its slot (an op runs when the stage reaches its start slot; what it
+    produces waits for the boundary after its last slot). Forwards keep their graphs for chunks ``plan.kept`` says;
     the others keep their received input and run forward again in their backward's slot (no transfer repeated)."""
     stores: dict[int, KVStore] = {}
     live: dict[ChunkId, tuple[torch.Tensor, ChunkKV | None, dict]] = {}
     inputs: dict[ChunkId, torch.Tensor | None] = {}  # received, waiting for the forward (or kept for the rerun)
     grads: dict[ChunkId, torch.Tensor] = {}
-    y = gin = None
+    outgoing: dict[Op, torch.Tensor | None] = {}  # produced, waiting for the boundary that sends it
     for t in range(plan.length + 1):
-        _, recv_x, _, recv_g = plan.transfers(stage, t)
+        send_x, recv_x, send_g, recv_g = plan.transfers(stage, t)
+        y = None if send_x is None else outgoing.pop(("F", send_x))
+        gin = None if send_g is None else outgoing.pop(("B", send_g))
         x, g = p2p.exchange(y, recv_x is not None, gin, recv_g is not None)
         if recv_x is not None:
             inputs[recv_x] = x
         if recv_g is not None:
             grads[recv_g] = g
-        y = gin = None
         op = plan.at(stage, t)
         if op is None:
             continue
@@ -190,7 +192,8 @@ def run_schedule(
                 with torch.no_grad():
                     out = forwards[gi](j, x, kv, True)
                 inputs[c] = x
-            y = out.detach() if stage < plan.pp - 1 else None
+            if stage < plan.pp - 1:
+                outgoing[op] = out.detach()
             del out
             continue
         if c in live:
@@ -200,8 +203,9 @@ def run_schedule(
             kv = ChunkKV(stores[gi], j, offsets[gi][j], rerun=True)
             out = forwards[gi](j, _entry(inputs.pop(c), holder), kv, False)
         _backward(stores.get(gi), j, kv, out, grads.pop(c, None))
-        gin = holder.get("grad") if stage > 0 else None
+        if stage > 0:
+            outgoing[op] = holder.get("grad")
         if j == 0:
             stores.pop(gi, None)  # the group's last backward on this stage: its keys/values go
         del out, kv, holder  # this chunk's graph goes now
-    assert not live and not grads, "the schedule left chunks without their backward"
+    assert not live and not grads and not outgoing, "the schedule left chunks without their backward or send"
