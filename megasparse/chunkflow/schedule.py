@@ -43,7 +43,7 @@ Op = tuple[str, ChunkId]
 
 UNIT = (1, 1, 0)
 """(forward, backward, rerun) slots the trainer's tables are built with: one slot per op. Built with ``COST``
-instead, the greedy table is a few % faster at pp 2 and up to 8% slower at pp 3-4 under ``COST``'s clocks on a
+instead, the greedy table was up to 5% faster at pp 2 and up to 9% slower at pp 3-4 under ``COST``'s clocks on a
 long-tail sample (decision 1226), so the plain table it is."""
 COST = (1, 2, 1)
 """Times of a chunk's forward, its backward, and what a rerun adds to a backward (the forward again): B ≈ 2F, what
