@@ -257,11 +257,12 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
     last peer posted it, transfers take no time): ``Report.time``/``idle_time``.
     ``length``/``idle`` count the table's slots.
 
-    Each boundary's sends and receives are posted as one batch that completes when every peer has posted the
-    matching op (rendezvous, as gloo and NCCL behave): a stage with nothing at a boundary posts nothing and runs
-    on. Raises AssertionError when a link's two ends disagree on what crosses, in what order; a forward or backward
-    finds its input, output gradient or own forward missing; (a)-(c) are broken; a chunk is not run exactly once
-    forward and once backward per stage; or the stages deadlock."""
+    Each boundary's sends and receives are posted as one batch (``StageComm.send_recv``, as the executor posts
+    them) that completes when every peer has posted the matching op (rendezvous, as gloo and NCCL behave): a stage
+    with nothing at a boundary posts nothing and runs on. Raises AssertionError when a link's two ends disagree on
+    what crosses, in what order; a forward or backward finds its input, output gradient or own forward missing;
+    (a)-(c) are broken; a chunk is not run exactly once forward and once backward per stage; or the stages
+    deadlock."""
     P, T = s.pp, s.length
     total = _chunks(s.sizes)
     streams: list[list] = []

@@ -154,10 +154,10 @@ def run_schedule(
     ``offsets[g][j]``, a long group's chunks over its ``KVStore`` (one per group, dropped after its chunk 0's
     backward), an independent chunk (a group of one) with no state.
 
-    At each boundary the stage posts in one exchange what ``plan.transfers`` names: the output of the forward and
-    the input gradient of the backward it finished in the slot before go out, what the neighbours finished then
-    comes in and waits, filed by chunk, until its slot (an op runs when the stage reaches its start slot; what it
-    produces waits for the boundary after its last slot). Forwards keep their graphs for chunks ``plan.kept`` says;
+    At each boundary the stage posts in one batch (``StageComm.send_recv``) what ``plan.transfers`` names: the
+    output of the forward and the input gradient of the backward it finished in the slot before go out, what the
+    neighbours finished then comes in and waits, filed by chunk, until its slot (an op runs when the stage reaches
+    its start slot; what it produces waits for the boundary after its last slot). Forwards keep their graphs for chunks ``plan.kept`` says;
     the others keep their received input and run forward again in their backward's slot (no transfer repeated)."""
     stores: dict[int, KVStore] = {}
     live: dict[ChunkId, tuple[torch.Tensor, ChunkKV | None, dict]] = {}
@@ -168,7 +168,7 @@ def run_schedule(
         send_x, recv_x, send_g, recv_g = plan.transfers(stage, t)
         y = None if send_x is None else outgoing.pop(("F", send_x))
         gin = None if send_g is None else outgoing.pop(("B", send_g))
-        x, g = p2p.exchange(y, recv_x is not None, gin, recv_g is not None)
+        x, g = p2p.send_recv(y, recv_x is not None, gin, recv_g is not None)
         if recv_x is not None:
             inputs[recv_x] = x
         if recv_g is not None:
