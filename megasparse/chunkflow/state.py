@@ -157,8 +157,9 @@ def run_schedule(
     At each boundary the stage posts in one batch (``StageComm.send_recv``) what ``plan.transfers`` names: the
     output of the forward and the input gradient of the backward it finished in the slot before go out, what the
     neighbours finished then comes in and waits, filed by chunk, until its slot (an op runs when the stage reaches
-    its start slot; what it produces waits for the boundary after its last slot). Forwards keep their graphs for chunks ``plan.kept`` says;
-    the others keep their received input and run forward again in their backward's slot (no transfer repeated)."""
+    its start slot; what it produces waits for the boundary after its last slot). Forwards keep their graphs for
+    chunks ``plan.kept`` says; the others keep their received input and run forward again in their backward's slot
+    (no transfer repeated)."""
     stores: dict[int, KVStore] = {}
     live: dict[ChunkId, tuple[torch.Tensor, ChunkKV | None, dict]] = {}
     inputs: dict[ChunkId, torch.Tensor | None] = {}  # received, waiting for the forward (or kept for the rerun)
