@@ -331,14 +331,20 @@ def test_chunks_train_like_whole_sequences_dp2(whole: dict) -> None:
 
 
 def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dict]:
-    """ChunkFlow's gradients and one optimizer step through the pipeline, per variant of the schedule's keys."""
+    """ChunkFlow's gradients and one optimizer step through the pipeline, per variant of the schedule's keys
+    (``WEIGHTED`` among them: tables whose backwards take 2 slots and reruns 3, so outputs wait several
+    boundaries)."""
+    from megasparse.chunkflow.schedule import COST
     from megasparse.parallel.consolidate import full_state_dict
     from megasparse.train import Trainer
 
     out = []
     for v in variants:
-        tr = Trainer(_config(overrides + v))
+        tr = Trainer(_config(overrides + [o for o in v if o != WEIGHTED]))
         tr.chunkflow.source = _Fixed(_sequences())
+        if WEIGHTED in v:
+            build = tr.chunkflow.schedule
+            tr.chunkflow.schedule = lambda pp, sizes, keep, build=build: build(pp, sizes, keep, cost=COST)
         tr.compute_gradients()
         grads = _grads(tr)
         r = tr.train_step()
@@ -347,10 +353,12 @@ def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dic
     return out
 
 
+WEIGHTED = "weighted tables"
 PIPELINE_VARIANTS = [
     ["chunkflow.max_chunks_in_memory=1"],  # state-aware 1F1B, one long sequence per stage at a time
     ["chunkflow.max_chunks_in_memory=4", "chunkflow.sequences_in_flight=2"],  # two sequences' stores at once
     ["chunkflow.max_chunks_in_memory=1", "chunkflow.pipeline_schedule=gpipe"],  # the order before decision 1226
+    ["chunkflow.max_chunks_in_memory=2", "chunkflow.sequences_in_flight=2", WEIGHTED],  # ops of several slots
 ]
 
 
