@@ -413,6 +413,38 @@ def _pipeline_step(overrides: list[str], keep: int) -> dict:
     return out | {"densified": densified}
 
 
+def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dict]:
+    """ChunkFlow's gradients and one optimizer step through the pipeline, per variant of the schedule's keys
+    (``WEIGHTED`` among them: tables whose backwards take 2 slots and reruns 3, so outputs wait several
+    boundaries)."""
+    from megasparse.chunkflow.schedule import COST
+    from megasparse.parallel.consolidate import full_state_dict
+    from megasparse.train import Trainer
+
+    out = []
+    for v in variants:
+        tr = Trainer(_config(overrides + [o for o in v if o != WEIGHTED]))
+        tr.chunkflow.source = _Fixed(_sequences())
+        if WEIGHTED in v:
+            build = tr.chunkflow.schedule
+            tr.chunkflow.schedule = lambda pp, sizes, keep, build=build: build(pp, sizes, keep, cost=COST)
+        tr.compute_gradients()
+        grads = _grads(tr)
+        r = tr.train_step()
+        weights = full_state_dict(tr.model)
+        out.append({"grads": grads, "loss": r.loss, "weights": weights, "real": r.extra["real_tokens"]})
+    return out
+
+
+WEIGHTED = "weighted tables"
+PIPELINE_VARIANTS = [
+    ["chunkflow.max_chunks_in_memory=1"],  # state-aware 1F1B, one long sequence per stage at a time
+    ["chunkflow.max_chunks_in_memory=4", "chunkflow.sequences_in_flight=2"],  # two sequences' stores at once
+    ["chunkflow.max_chunks_in_memory=1", "chunkflow.pipeline_schedule=gpipe"],  # the order before decision 1226
+    ["chunkflow.max_chunks_in_memory=2", "chunkflow.sequences_in_flight=2", WEIGHTED],  # ops of several slots
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "overrides"),
@@ -420,12 +452,15 @@ def _pipeline_step(overrides: list[str], keep: int) -> dict:
     ids=["pp2", "tp2_pp2_sp"],
 )
 def test_chunks_through_the_pipeline_train_like_whole_sequences(whole: dict, world: int, overrides: list[str]):
-    """Long sequences pass the stages chunk by chunk (forwards in order, backwards in reverse, the K-bound rerun on
-    each stage from its kept input); the single-chunk ones as 1F1B micro-batches."""
-    for r in run_distributed(_pipeline_step, world, overrides, 1):
-        assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-5
-        assert r["real"] == sum(n - 1 for n in LENGTHS)
-        _against_whole(r["grads"], r["weights"], whole)
+    """Long sequences' chunks and the single-chunk groups run as one slot table per stage (``chunkflow/schedule.py``:
+    forwards in order, backwards in reverse, the K-bound rerun on each stage from its kept input, independent
+    chunks in the long sequences' fill and drain); K = 1 and K = all 4 chunks, and the GPipe-per-group order."""
+    variants = PIPELINE_VARIANTS if world == 2 else PIPELINE_VARIANTS[:2]
+    for rank in run_distributed(_pipeline_steps, world, overrides, variants):
+        for v, r in zip(variants, rank):
+            assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-5, v
+            assert r["real"] == sum(n - 1 for n in LENGTHS)
+            _against_whole(r["grads"], r["weights"], whole)
 
 
 def _compare_filtered(scorer: str, mode: str = "loss_mask", keeps=(1,), pack: bool = False, overrides=()) -> dict:
@@ -529,6 +564,82 @@ def test_collider_on_chunks_tp2_pp2_sp() -> None:
         assert r["densified"] == 0
 
 
+# -- the pipeline schedule (pure Python) -------------------------------------------------------------------------------
+def _random_sizes(rng: np.random.Generator) -> tuple[int, ...]:
+    """Chunks per group of a long-tail step: mostly independent chunks, some sequences of 2-12 chunks."""
+    m = int(rng.integers(1, 14))
+    return tuple(int(rng.integers(2, 13)) if rng.random() < 0.3 else 1 for _ in range(m))
+
+
+def test_pipeline_schedules_pair_every_transfer_and_keep_the_order() -> None:
+    """On many random long-tail plans (pp 2-4, K 1-12; tables of one slot per op, or 1, 2, 1 for F, B, rerun):
+    every boundary's sends meet their receives in the same order on both ends and no stage waits forever; (a)-(c)
+    hold (``simulate`` raises otherwise); the state-aware table idles no more than the GPipe-per-group order, in
+    table slots and in the stages' own clocks (B = 2F, rendezvous transfers), and its activations stay within K per
+    sequence plus 1F1B's pp − r independent chunks per stage."""
+    from megasparse.chunkflow.schedule import COST, UNIT, gpipe_per_group, simulate, state_aware
+
+    rng = np.random.default_rng(30)
+    fewer = 0
+    for i in range(300):
+        pp, keep, sizes = int(rng.integers(2, 5)), int(rng.integers(1, 13)), _random_sizes(rng)
+        cost = COST if i % 2 else UNIT
+        old = simulate(gpipe_per_group(pp, sizes, keep, cost))
+        for window in (1, 2):
+            new = simulate(state_aware(pp, sizes, keep, window, cost))
+            assert new.idle <= old.idle and new.time <= old.time, (pp, sizes, keep, window, cost, old, new)
+            seq = max([min(keep, n) for n in sizes if n > 1], default=0)
+            singles = sizes.count(1)
+            assert all(new.peak_graphs[r] <= window * seq + min(pp - r, singles) for r in range(pp)), new
+        fewer += new.idle < old.idle
+    assert fewer > 150  # and usually strictly fewer
+
+
+def test_pipeline_simulator_catches_a_broken_table() -> None:
+    """Swapping two backwards of one sequence, or two forwards on one stage only (the link then disagrees), fails."""
+    from dataclasses import replace
+
+    from megasparse.chunkflow.schedule import simulate, state_aware
+
+    good = state_aware(2, (3, 1, 1), 3)
+    simulate(good)
+    rows = [list(r) for r in good.slots]
+    b = [t for t, op in enumerate(rows[0]) if op is not None and op[0] == "B" and op[1][0] == 0]
+    rows[0][b[0]], rows[0][b[1]] = rows[0][b[1]], rows[0][b[0]]
+    with pytest.raises(AssertionError, match="before"):
+        simulate(replace(good, slots=tuple(tuple(r) for r in rows)))
+    rows = [list(r) for r in good.slots]
+    f = [t for t, op in enumerate(rows[1]) if op is not None and op[0] == "F"]
+    rows[1][f[2]], rows[1][f[3]] = rows[1][f[3]], rows[1][f[2]]
+    with pytest.raises(AssertionError):
+        simulate(replace(good, slots=tuple(tuple(r) for r in rows)))
+
+
+def test_state_aware_fills_a_long_sequences_bubbles_with_independent_chunks() -> None:
+    """The tests' step (a 4-chunk and a 2-chunk sequence, five single chunks) at pp 2, and a long-tail step of 64
+    sequences (decision 1226's numbers): independent chunks run inside a long sequence's span on stage 0."""
+    from megasparse.chunkflow.schedule import gpipe_per_group, simulate, state_aware
+
+    sizes = tuple(len(g.chunks) for g in plan_step(LENGTHS, C, dp=1, pack=False).groups)
+    table = state_aware(2, sizes, 1)
+    order = table.order(0)
+    span = [i for i, (_, c) in enumerate(order) if c[0] == 0]
+    assert any(table.sizes[c[0]] == 1 for _, c in order[span[0] : span[-1]])
+    assert simulate(table).idle < simulate(gpipe_per_group(2, sizes, 1)).idle
+    src = LongTailSequences(vocab=100, max_length=32 * 1024, seed=3)
+    plan = plan_step([src.length(g) for g in range(64)], 1024, dp=1)
+    sizes = tuple(len(g.chunks) for g in plan.groups)
+    for pp in (2, 4):
+        old, new, two = (simulate(f(pp, sizes, 1)) for f in (gpipe_per_group, state_aware, _two_in_flight))
+        assert two.idle < new.idle < old.idle, (pp, old.idle, new.idle, two.idle)
+
+
+def _two_in_flight(pp: int, sizes: tuple[int, ...], keep: int):
+    from megasparse.chunkflow.schedule import state_aware
+
+    return state_aware(pp, sizes, keep, window=2)
+
+
 # -- memory follows K -------------------------------------------------------------------------------------------------
 def _saved_peak(n_chunks: int, keep: int) -> int:
     from megasparse.chunkflow.step import ChunkFlowStep
@@ -585,6 +696,8 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
         (["filter.mode=loss_mask", "filter.scorer=excess"], "filter.scorer=excess"),
         (["model.recompute=full"], "model.recompute=full"),
         (["chunkflow.max_sequence_length=1"], "max_sequence_length=1 must be >= 2"),
+        (["chunkflow.pipeline_schedule=zb"], "use state_aware or gpipe"),
+        (["chunkflow.sequences_in_flight=0"], "sequences_in_flight=0 must be >= 1"),
         (
             ["model.rope_scaling=llama3", "model.rope_original_max_positions=64", "chunkflow.max_sequence_length=1024"],
             "the 512 positions",

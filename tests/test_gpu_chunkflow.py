@@ -128,14 +128,16 @@ def test_chunked_step_matches_whole_sequences_on_cuda(dtype: str, tol: float):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_chunks_through_a_two_gpu_pipeline_match_whole_sequences():
     from distributed import run_distributed
-    from test_chunkflow import LENGTHS, _against_whole, _compare, _pipeline_step
+    from test_chunkflow import LENGTHS, PIPELINE_VARIANTS, _against_whole, _compare, _pipeline_steps
 
     gpu = ["train.device=cuda", "train.dtype=fp32", "parallel.backend=nccl"]  # graphs stay off by themselves
     (whole,) = run_distributed(_compare, 1, gpu, [1])
-    for r in run_distributed(_pipeline_step, 2, gpu + ["parallel.pp=2"], 1):
-        assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-4
-        assert r["real"] == sum(n - 1 for n in LENGTHS)
-        _against_whole(r["grads"], r["weights"], whole, tol=1e-4)
+    variants = PIPELINE_VARIANTS[:2]  # the state-aware 1F1B (decision 1226), one and two sequences in flight
+    for rank in run_distributed(_pipeline_steps, 2, gpu + ["parallel.pp=2"], variants):
+        for r in rank:
+            assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-4
+            assert r["real"] == sum(n - 1 for n in LENGTHS)
+            _against_whole(r["grads"], r["weights"], whole, tol=1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -3,7 +3,8 @@ order over the earlier chunks' keys/values under a bound of K chunks of activati
 
 ``plan.py``: the step's chunks and which DP rank runs them (host-side, the same on every rank); ``state.py``: one
 sequence's chunks forward in order and backward in reverse, on one stage or through the pipeline, the keys/values
-and their gradients between them; ``step.py``: the trainer's step over this rank's chunks; ``filter.py``:
-``filter.mode=loss_mask`` over each chunk's real tokens; ``data.py``: where the sequences come from (with a
-synthetic long-tail stand-in); ``config.py``: the ``chunkflow`` section.
+and their gradients between them; ``schedule.py``: the pipeline's order of every chunk forward and backward per
+stage (the state-aware 1F1B) and its simulator; ``step.py``: the trainer's step over this rank's chunks;
+``filter.py``: ``filter.mode=loss_mask`` over each chunk's real tokens; ``data.py``: where the sequences come from
+(with a synthetic long-tail stand-in); ``config.py``: the ``chunkflow`` section.
 """

@@ -29,6 +29,16 @@ class ChunkFlowConfig:
     """The longest sequence (tokens, end-of-document included): a corpus's longer documents are truncated to it
     (``data/sequences.py`` counts them); None: no limit, or the positions the model's RoPE scaling supports. The
     stand-in synthetic data draws its long tail up to it (None: 64 chunks)."""
+    pipeline_schedule: str = "state_aware"
+    """Under ``parallel.pp > 1``: ``state_aware`` (ChunkFlow's state-aware 1F1B: independent chunks fill a long
+    sequence's fill and drain, decision 1226) or ``gpipe`` (each long sequence fills and drains the pipeline on its
+    own, then the single chunks run 1F1B: the order before it). ``filter.mode=collider`` runs ``gpipe`` whatever
+    this says: the last stage's kept positions pass down between a sequence's forwards and backwards (decision
+    1223); the banner says so."""
+    sequences_in_flight: int = 1
+    """``state_aware``: long sequences in progress on a stage at once. 2 lets the next sequence's forwards fill
+    the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones) at the
+    cost of a second sequence's keys/values and K chunks' activations."""
 
     def capture_blocker(self) -> str | None:
         """Why the step cannot be captured as CUDA graphs (``cudagraph.capture_blocker`` asks): chunks run eagerly,
@@ -41,6 +51,10 @@ class ChunkFlowConfig:
             return
         if self.max_chunks_in_memory < 1:
             raise ConfigError(f"chunkflow.max_chunks_in_memory={self.max_chunks_in_memory} must be >= 1")
+        if self.pipeline_schedule not in ("state_aware", "gpipe"):
+            raise ConfigError(f"chunkflow.pipeline_schedule={self.pipeline_schedule!r}: use state_aware or gpipe")
+        if self.sequences_in_flight < 1:
+            raise ConfigError(f"chunkflow.sequences_in_flight={self.sequences_in_flight} must be >= 1")
         m, p, t = cfg.model, cfg.parallel, cfg.train
         if self.chunk_size is not None and self.chunk_size != m.seq_length:
             raise ConfigError(
@@ -95,8 +109,14 @@ def chunkflow_line(cfg) -> str:
     cf, t = cfg.chunkflow, cfg.train
     limit = sequence_limit(cfg)
     packed = "packed (document attention)" if getattr(cfg.data, "document_attention", False) else "one per chunk"
-    return (
+    line = (
         f"on: {t.global_batch_size} whole sequences/step{'' if limit is None else f' (up to {limit} tokens)'} in "
         f"chunks of {cfg.model.seq_length}, activations of K={cf.max_chunks_in_memory} chunks per sequence kept, "
         f"short sequences {packed}"
     )
+    if cfg.parallel.pp > 1:  # collider's kept positions pass down between a sequence's passes: GPipe per sequence
+        order = "gpipe (collider)" if cfg.filter.mode == "collider" else cf.pipeline_schedule
+        line += f" | pipeline order {order}"
+        if order == "state_aware":
+            line += f", {cf.sequences_in_flight} sequence(s) in flight"
+    return line

@@ -22,11 +22,12 @@ from collections.abc import Callable
 
 import torch
 
+from megasparse.chunkflow.schedule import ChunkId, Op, Schedule
 from megasparse.ops.prefix_attention import prefix_attention
 from megasparse.parallel import comm
 from megasparse.parallel.pipeline import StageComm, catch_grad
 
-__all__ = ["ChunkKV", "KVStore", "run_group"]
+__all__ = ["ChunkKV", "KVStore", "run_group", "run_schedule"]
 
 
 class KVStore:
@@ -200,3 +201,81 @@ def run_group(
             with comm.phase("backward"):
                 p2p.send_backward(holder.get("grad"))  # (the first stage has no previous: nothing is sent)
         del out, kv, outs, grads, holder  # this chunk's graph goes now: memory follows K, not the group's length
+
+
+def _backward(store: KVStore | None, j: int, kv: ChunkKV | None, out: torch.Tensor, g: torch.Tensor | None) -> None:
+    """Chunk j's one ``autograd.backward``: from its output (gradient ``g``; None: the loss) and from its keys/values,
+    whose gradients the later chunks left in the store."""
+    outs, grads = [out], [g]
+    for layer, k, v in kv.outputs if kv is not None else []:
+        kv_grad = store.grads_of(layer, j)
+        if kv_grad is not None:
+            outs += [k, v]
+            grads += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
+    with comm.phase("backward"):
+        torch.autograd.backward(outs, grads)
+
+
+def run_schedule(
+    plan: Schedule, stage: int, forwards: list[Forward], offsets: list[list[int]], chunk_size: int, p2p: StageComm
+) -> None:
+    """This pipeline stage's slots of ``plan`` (``schedule.py``): group g's chunk j runs ``forwards[g]`` at
+    ``offsets[g][j]``, a long group's chunks over its ``KVStore`` (one per group, dropped after its chunk 0's
+    backward), an independent chunk (a group of one) with no state.
+
+    At each boundary the stage posts in one batch (``StageComm.send_recv``) what ``plan.transfers`` names: the
+    output of the forward and the input gradient of the backward it finished in the slot before go out, what the
+    neighbours finished then comes in and waits, filed by chunk, until its slot (an op runs when the stage reaches
+    its start slot; what it produces waits for the boundary after its last slot). Forwards keep their graphs for
+    chunks ``plan.kept`` says; the others keep their received input and run forward again in their backward's slot
+    (no transfer repeated)."""
+    stores: dict[int, KVStore] = {}
+    live: dict[ChunkId, tuple[torch.Tensor, ChunkKV | None, dict]] = {}
+    inputs: dict[ChunkId, torch.Tensor | None] = {}  # received, waiting for the forward (or kept for the rerun)
+    grads: dict[ChunkId, torch.Tensor] = {}
+    outgoing: dict[Op, torch.Tensor | None] = {}  # produced, waiting for the boundary that sends it
+    for t in range(plan.length + 1):
+        send_x, recv_x, send_g, recv_g = plan.transfers(stage, t)
+        y = None if send_x is None else outgoing.pop(("F", send_x))
+        gin = None if send_g is None else outgoing.pop(("B", send_g))
+        x, g = p2p.send_recv(y, recv_x is not None, gin, recv_g is not None)
+        if recv_x is not None:
+            inputs[recv_x] = x
+        if recv_g is not None:
+            grads[recv_g] = g
+        op = plan.at(stage, t)
+        if op is None:
+            continue
+        kind, c = op
+        gi, j = c
+        n = plan.sizes[gi]
+        if n > 1 and gi not in stores:
+            stores[gi] = KVStore(n, chunk_size)
+        if kind == "F":
+            kv = ChunkKV(stores[gi], j, offsets[gi][j]) if n > 1 else None
+            x = inputs.pop(c, None)
+            if plan.kept(c):
+                holder: dict = {}
+                out = forwards[gi](j, _entry(x, holder), kv, True)
+                live[c] = (out, kv, holder)
+            else:
+                with torch.no_grad():
+                    out = forwards[gi](j, x, kv, True)
+                inputs[c] = x
+            if stage < plan.pp - 1:
+                outgoing[op] = out.detach()
+            del out
+            continue
+        if c in live:
+            out, kv, holder = live.pop(c)
+        else:
+            holder = {}
+            kv = ChunkKV(stores[gi], j, offsets[gi][j], rerun=True)
+            out = forwards[gi](j, _entry(inputs.pop(c), holder), kv, False)
+        _backward(stores.get(gi), j, kv, out, grads.pop(c, None))
+        if stage > 0:
+            outgoing[op] = holder.get("grad")
+        if j == 0:
+            stores.pop(gi, None)  # the group's last backward on this stage: its keys/values go
+        del out, kv, holder  # this chunk's graph goes now
+    assert not live and not grads and not outgoing, "the schedule left chunks without their backward or send"

@@ -9,15 +9,18 @@ is normalised by the step's real predictions (its kept ones under ``filter.mode=
 on every rank from the plan: no collective. Under collider the kept rows also go to the loss layer (``KeepHolder``),
 so the chunk's backward is compact, across chunk boundaries too (decision 1223).
 
-The order is group by group (all chunks of one sequence, forwards then reversed backwards, through every stage);
-then the single-chunk groups run as 1F1B micro-batches (decision 1222: why this is not a
-``step/schedule.py`` schedule).
+On one stage the order is group by group (all chunks of one sequence forward, then backward in reverse). Under
+pp > 1 every stage runs its row of a slot table (``schedule.py``: by default the state-aware 1F1B, where the
+single-chunk groups fill a long sequence's fill and drain; decision 1226) through ``state.run_schedule``
+(decision 1222: why this is not a ``step/schedule.py`` schedule).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -26,7 +29,8 @@ from megasparse.chunkflow.config import sequence_limit
 from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.filter import ChunkSelection
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
-from megasparse.chunkflow.state import ChunkKV, run_group
+from megasparse.chunkflow.schedule import Schedule, gpipe_per_group, state_aware
+from megasparse.chunkflow.state import ChunkKV, run_group, run_schedule
 from megasparse.ops.compact import KeepHolder, KeepMeta
 from megasparse.ops.documents import DocSpans
 from megasparse.parallel.pipeline import StageComm, one_f_one_b
@@ -52,13 +56,16 @@ class ChunkFlowStep:
 
     def __init__(self, model, source, *, chunk_size: int, per_step: int, keep: int, dp: int, dp_rank: int,
                  device: torch.device, eod: int | None = None, max_length: int | None = None,
-                 p2p: StageComm | None = None, selection: ChunkSelection | None = None):  # fmt: skip
+                 p2p: StageComm | None = None, selection: ChunkSelection | None = None,
+                 schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
         per chunk. ``p2p``: the stage's transfers (pipeline stages; None: a single stage, every group through
         ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` or ``collider`` over each chunk's real
-        tokens."""
+        tokens. ``schedule``: the pipeline's slot table for (pp, chunks per group, K) (``schedule.py``; decision
+        1226); collider through the pipeline runs each long sequence GPipe-style instead (decision 1223)."""
+        self.schedule = schedule
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
         self.p2p = p2p if p2p is None or selection is None or not selection.collider else _KeptCounts(p2p)
@@ -85,25 +92,19 @@ class ChunkFlowStep:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         plan, sel = work.plan, self.selection
         kept = plan.real_tokens if sel is None else sel.kept(plan)
-        singles, counted = [], isinstance(self.p2p, _KeptCounts)
-        if counted:  # each chunk's kept count, in the order their gradients arrive: groups reversed, then singles
-            long = [g for g in work.groups if len(g.chunks) > 1]
-            short = [g for g in work.groups if len(g.chunks) == 1]
-            self.p2p.expect(
-                [sel.count(c) for g in long for c in reversed(g.chunks)] + [sel.count(g.chunks[0]) for g in short]
-            )
-        for group in work.groups:
-            fwd = self._forward(group, work.sequences, loss_sum, max(kept, 1), step_no)
-            if len(group.chunks) == 1 and self.p2p is not None:
-                singles.append(fwd)  # no state: ordinary 1F1B micro-batches, after the long sequences
-            else:
-                counts = [sel.count(c) for c in group.chunks] if counted else None
-                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p, counts)
-        if singles:
-            one_f_one_b(
-                len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
-                lambda i, out, g: torch.autograd.backward(out, g),
-            )  # fmt: skip
+        counted = isinstance(self.p2p, _KeptCounts)
+        fwds = [self._forward(g, work.sequences, loss_sum, max(kept, 1), step_no) for g in work.groups]
+        if self.p2p is None:
+            for group, fwd in zip(work.groups, fwds):
+                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep)
+        elif counted:  # collider through the pipeline: the kept positions pass down between a group's passes
+            self._collider_pipeline(work, fwds, sel)
+        else:
+            lay = self.p2p.lay
+            sizes = tuple(len(g.chunks) for g in work.groups)
+            table = self.schedule(lay.pp, sizes, self.keep)
+            offsets = [[c.offset for c in g.chunks] for g in work.groups]
+            run_schedule(table, lay.pp_rank, fwds, offsets, self.c, self.p2p)
         fill = plan.real_tokens / max(plan.slots, 1)
         if self.seen is None:  # a source that cannot count its past (a test's fixed list) starts from 0
             before = getattr(self.source, "predictions_before", lambda g: 0)
@@ -113,6 +114,28 @@ class ChunkFlowStep:
         if sel is not None:
             self.last["real_kept_share"] = kept / max(plan.real_tokens, 1)
         return loss_sum, work.plan.real_tokens / self.dp
+
+    def _collider_pipeline(self, work: RankChunks, fwds: list, sel: ChunkSelection) -> None:
+        """Collider under pp > 1: each long group GPipe-style (forwards, the last stage's kept positions passed
+        down, backwards in reverse), then the single chunks as 1F1B micro-batches; every compact gradient arrives
+        with the kept count the plan fixes, in this order (decision 1223; the state-aware table is not used)."""
+        long = [g for g in work.groups if len(g.chunks) > 1]
+        short = [g for g in work.groups if len(g.chunks) == 1]
+        self.p2p.expect(
+            [sel.count(c) for g in long for c in reversed(g.chunks)] + [sel.count(g.chunks[0]) for g in short]
+        )
+        singles = []
+        for group, fwd in zip(work.groups, fwds):
+            if len(group.chunks) == 1:
+                singles.append(fwd)
+            else:
+                counts = [sel.count(c) for c in group.chunks]
+                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p, counts)
+        if singles:
+            one_f_one_b(
+                len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
+                lambda i, out, g: torch.autograd.backward(out, g),
+            )  # fmt: skip
 
     def _forward(self, group: Group, sequences: list[np.ndarray], loss_sum: torch.Tensor, normaliser: int, step: int):
         """``state.Forward`` of ``group``'s chunks on this stage (``kv`` None: a chunk with no earlier chunks)."""
@@ -182,8 +205,15 @@ def chunk_step(
     return ChunkFlowStep(
         model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
-        max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg),
+        max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), schedule=pipeline_schedule(cf),
     )  # fmt: skip
+
+
+def pipeline_schedule(cf) -> Callable[[int, tuple[int, ...], int], Schedule]:
+    """``chunkflow.pipeline_schedule``'s table builder (``cf``: the ``chunkflow`` section)."""
+    if cf.pipeline_schedule == "gpipe":
+        return gpipe_per_group
+    return partial(state_aware, window=cf.sequences_in_flight)
 
 
 def _selection(cfg) -> ChunkSelection | None:

@@ -1,0 +1,361 @@
+"""ChunkFlow's pipeline schedule as data: what each stage computes in each slot, and a simulator that checks it.
+
+A rank's step is its groups (``plan.Group``): a long sequence's dependent chunks, or one independent chunk. Chunk
+``(g, j)`` is chunk j of group g. Every stage runs every chunk's forward ("F") and backward ("B") once, under:
+
+(a) F (g, j) after F (g, j−1) on the same stage (chunk j reads the keys/values chunk j−1 wrote there);
+(b) B (g, j) after B (g, j+1) on the same stage (it receives the gradients of its keys/values from the later
+    chunks), and after its own F;
+(c) at most K (``keep``) chunks of a group hold their activations on a stage: chunks j ≥ n − K keep their graphs
+    from the forward, the earlier ones keep only their received input and run forward again inside their B slot;
+(d) F on stage r after F on stage r − 1 (its input), B on stage r after B on stage r + 1 (its output gradient).
+
+Time is counted in slots: a table is built with every op one slot long (``UNIT``; an op may take several, the
+``cost`` argument). Both schedules below are a table ``slots[stage][t]`` of the ``("F"|"B", chunk)`` a stage
+starts in slot t, or None; a transfer crosses the boundary after the slot that finished it, and the executor
+(``state.run_schedule``) posts at boundary t exactly the sends and receives ``transfers(t)`` names, the same on
+both ends of every link. ``simulate`` checks a table and measures it twice: idle slots of the table, and idle
+time with each stage on its own clock (a backward twice a forward, a rerun one more forward: ``COST``) meeting
+its neighbours at rendezvous transfers, as the executor runs. Simulated slots and clocks, not GPU time.
+
+* ``gpipe_per_group``: the order before decision 1226: each long sequence's chunks all forwards then all backwards
+  in reverse, filling and draining the pipeline on its own, then the single-chunk groups as 1F1B micro-batches.
+* ``state_aware``: ChunkFlow's state-aware 1F1B. The long sequences run one after another per stage with the same
+  order within each (so (a)-(c) hold and one sequence's keys/values live at a time, as before), and the
+  independent chunks fill the slots where a stage would wait: each stage takes, slot by slot, a ready backward
+  before a ready forward and the long sequence's op before an independent chunk's. Independent chunks in flight
+  on stage r are bounded by 1F1B's own bound, pp − r, apart from the sequence's K (separate budgets: neither can
+  starve the other, which is what keeps the greedy free of deadlock; ``simulate`` checks it).
+
+Pure Python: no torch, no process group.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+ChunkId = tuple[int, int]
+"""(group, chunk index in the group), the group's index in the rank's list."""
+Op = tuple[str, ChunkId]
+"""("F" | "B", chunk)."""
+
+
+UNIT = (1, 1, 0)
+"""(forward, backward, rerun) slots the trainer's tables are built with: one slot per op. Built with ``COST``
+instead, the greedy table was up to 5% faster at pp 2 and up to 9% slower at pp 3-4 under ``COST``'s clocks on a
+long-tail sample (decision 1226), so the plain table it is."""
+COST = (1, 2, 1)
+"""Times of a chunk's forward, its backward, and what a rerun adds to a backward (the forward again): B ≈ 2F, what
+``simulate``'s clocks use by default."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every stage's slots of one rank's step; the same table on every pipeline stage of a DP rank."""
+
+    pp: int
+    sizes: tuple[int, ...]
+    """Chunks per group, in the rank's group order (1: an independent chunk)."""
+    keep: int
+    """K: chunks of one group that keep their activations on a stage."""
+    slots: tuple[tuple[Op | None, ...], ...]
+    """slots[stage][t]: the op the stage starts in slot t (None: idle, or still running an earlier op)."""
+    cost: tuple[int, int, int] = UNIT
+    """(forward, backward, rerun) slots of the table's ops."""
+
+    @property
+    def length(self) -> int:
+        return len(self.slots[0])
+
+    def kept(self, c: ChunkId) -> bool:
+        """Whether chunk c keeps its graph from the forward (else it reruns before its backward)."""
+        return c[1] >= self.sizes[c[0]] - self.keep
+
+    def dur(self, op: Op) -> int:
+        f, b, rerun = self.cost
+        return f if op[0] == "F" else b + (0 if self.kept(op[1]) else rerun)
+
+    def order(self, stage: int) -> list[Op]:
+        return [op for op in self.slots[stage] if op is not None]
+
+    def at(self, stage: int, t: int) -> Op | None:
+        """The op stage ``stage`` starts in slot t."""
+        return self.slots[stage][t] if 0 <= t < self.length and 0 <= stage < self.pp else None
+
+    @functools.cached_property
+    def _ends(self) -> list[dict[int, Op]]:
+        return [{t + self.dur(op) - 1: op for t, op in enumerate(row) if op is not None} for row in self.slots]
+
+    def ending(self, stage: int, t: int) -> Op | None:
+        """The op stage ``stage`` finishes in slot t."""
+        return self._ends[stage].get(t) if 0 <= stage < self.pp else None
+
+    def transfers(self, stage: int, t: int) -> tuple[ChunkId | None, ChunkId | None, ChunkId | None, ChunkId | None]:
+        """At boundary t (before slot t): (activation sent on, activation received, input gradient sent back,
+        output gradient received), each the chunk it belongs to or None; what finished in slot t − 1 crosses."""
+        mine, prev, nxt = self.ending(stage, t - 1), self.ending(stage - 1, t - 1), self.ending(stage + 1, t - 1)
+        last, first = stage == self.pp - 1, stage == 0
+        send_x = mine[1] if mine is not None and mine[0] == "F" and not last else None
+        send_g = mine[1] if mine is not None and mine[0] == "B" and not first else None
+        recv_x = prev[1] if prev is not None and prev[0] == "F" else None
+        recv_g = nxt[1] if nxt is not None and nxt[0] == "B" else None
+        return send_x, recv_x, send_g, recv_g
+
+
+def _chunks(sizes: tuple[int, ...]) -> int:
+    return sum(sizes)
+
+
+def _rows(pp: int, starts: list[dict[int, Op]], length: int) -> tuple[tuple[Op | None, ...], ...]:
+    return tuple(tuple(starts[r].get(t) for t in range(length)) for r in range(pp))
+
+
+def timed(pp: int, sizes: tuple[int, ...], keep: int, orders: list[list[Op]], cost=UNIT) -> Schedule:
+    """Start each stage's ``orders`` in the earliest slots their dependencies allow (one op at a time per stage)."""
+    probe = Schedule(pp, sizes, keep, ((),) * pp, cost)
+    end: dict[tuple[int, Op], int] = {}  # (stage, op) -> the slot after its last
+    starts: list[dict[int, Op]] = [{} for _ in range(pp)]
+    pos, free = [0] * pp, [0] * pp
+    t = 0
+    while any(pos[r] < len(orders[r]) for r in range(pp)):
+        started = False
+        for r in range(pp):
+            op = orders[r][pos[r]] if pos[r] < len(orders[r]) else None
+            if op is None or free[r] > t or not _deps_done(end, r, op, pp, t):
+                continue
+            starts[r][t], pos[r], started = op, pos[r] + 1, True
+            free[r] = t + probe.dur(op)
+        if not started and all(f <= t for f in free):
+            raise AssertionError(f"the orders wait on each other at slot {t} (pp={pp}, groups={sizes})")
+        for r in range(pp):  # record ends only after every stage decided slot t
+            if t in starts[r]:
+                end[(r, starts[r][t])] = free[r]
+        t += 1
+    return Schedule(pp, sizes, keep, _rows(pp, starts, max(free)), cost)
+
+
+def _deps_done(end: dict, r: int, op: Op, pp: int, t: int) -> bool:
+    kind, (g, j) = op
+    need = []
+    if kind == "F":
+        need += [(r - 1, op)] if r > 0 else []
+        need += [(r, ("F", (g, j - 1)))] if j > 0 else []
+    else:
+        need += [(r, ("F", (g, j)))] + ([(r + 1, op)] if r < pp - 1 else [])
+    return all(end.get(k, t + 1) <= t for k in need)
+
+
+def gpipe_per_group(pp: int, sizes: tuple[int, ...], keep: int, cost=UNIT) -> Schedule:
+    """The order before decision 1226 (``state.run_group`` per long sequence, then ``pipeline.one_f_one_b``)."""
+    orders: list[list[Op]] = []
+    singles = [(g, 0) for g, n in enumerate(sizes) if n == 1]
+    for r in range(pp):
+        order: list[Op] = []
+        for g, n in enumerate(sizes):
+            if n > 1:
+                order += [("F", (g, j)) for j in range(n)] + [("B", (g, j)) for j in reversed(range(n))]
+        warm = min(pp - r - 1, len(singles))
+        order += [("F", c) for c in singles[:warm]]
+        for i in range(len(singles) - warm):
+            order += [("F", singles[warm + i]), ("B", singles[i])]
+        order += [("B", c) for c in singles[len(singles) - warm :]]
+        orders.append(order)
+    return timed(pp, sizes, keep, orders, cost)
+
+
+def state_aware(pp: int, sizes: tuple[int, ...], keep: int, window: int = 1, cost=UNIT) -> Schedule:
+    """ChunkFlow's state-aware 1F1B (module docstring), built slot by slot on all stages at once. ``window``: long
+    sequences in progress on a stage at once (1: the next one starts after the previous one's last backward there;
+    2: its forwards may fill the previous one's turnaround, holding both sequences' keys/values)."""
+    probe = Schedule(pp, sizes, keep, ((),) * pp, cost)
+    longs = [g for g, n in enumerate(sizes) if n > 1]
+    singles = [(g, 0) for g, n in enumerate(sizes) if n == 1]
+    fend: list[dict[ChunkId, int]] = [{} for _ in range(pp)]  # chunk -> the slot after its forward / backward
+    bend: list[dict[ChunkId, int]] = [{} for _ in range(pp)]
+    fseq, fj = [0] * pp, [0] * pp  # the long sequence (index into longs) forwarding on the stage, its next chunk
+    bj = [dict() for _ in range(pp)]  # backwards started per long sequence in progress on the stage
+    si, flight = [0] * pp, [[] for _ in range(pp)]  # next independent chunk to forward; those between F and B
+    starts: list[dict[int, Op]] = [{} for _ in range(pp)]
+    free = [0] * pp
+    total = _chunks(sizes)
+
+    def has_in(r: int, c: ChunkId, t: int) -> bool:  # the input arrived (its forward upstream has finished)
+        return r == 0 or fend[r - 1].get(c, t + 1) <= t
+
+    def has_grad(r: int, c: ChunkId, t: int) -> bool:  # the output gradient arrived
+        return r == pp - 1 or bend[r + 1].get(c, t + 1) <= t
+
+    def pick(r: int, t: int) -> Op | None:
+        for k, done in sorted(bj[r].items()):  # backwards of the sequences forwarded here, oldest first
+            c = (longs[k], sizes[longs[k]] - 1 - done)
+            if k < fseq[r] and done < sizes[longs[k]] and has_grad(r, c, t):
+                return "B", c
+        ready = [c for c in flight[r] if has_grad(r, c, t)]
+        if ready:
+            return "B", ready[0]
+        seq = longs[fseq[r]] if fseq[r] < len(longs) else None
+        if seq is not None and (fj[r] or len(bj[r]) < window) and has_in(r, (seq, fj[r]), t):
+            return "F", (seq, fj[r])
+        if si[r] < len(singles) and len(flight[r]) < pp - r and has_in(r, singles[si[r]], t):
+            return "F", singles[si[r]]
+        return None
+
+    t = 0
+    while any(len(bend[r]) < total for r in range(pp)):
+        picks = [pick(r, t) if free[r] <= t else None for r in range(pp)]  # on what finished before slot t
+        if not any(picks) and all(f <= t for f in free):
+            raise AssertionError(f"state-aware schedule stuck at slot {t} (pp={pp}, groups={sizes}, K={keep})")
+        for r, op in enumerate(picks):
+            if op is None:
+                continue
+            starts[r][t] = op
+            free[r] = t + probe.dur(op)
+            kind, c = op
+            single = sizes[c[0]] == 1
+            if kind == "F":
+                fend[r][c] = free[r]
+                if single:
+                    flight[r].append(c)
+                    si[r] += 1
+                else:
+                    bj[r].setdefault(fseq[r], 0)
+                    fj[r] += 1
+                    if fj[r] == sizes[c[0]]:
+                        fseq[r], fj[r] = fseq[r] + 1, 0
+            else:
+                bend[r][c] = free[r]
+                if single:
+                    flight[r].remove(c)
+                else:
+                    k = longs.index(c[0])
+                    bj[r][k] += 1
+                    if bj[r][k] == sizes[c[0]] and c[1] == 0:
+                        del bj[r][k]
+        t += 1
+    return Schedule(pp, sizes, keep, _rows(pp, starts, max(free)), cost)
+
+
+@dataclass
+class Report:
+    """What ``simulate`` measured: slots of the step, idle stage-slots (the bubble) and peak activations kept."""
+
+    length: int
+    idle: int
+    peak_graphs: list[int]
+    """Per stage: chunks holding their autograd graph at once (a rerun's graph counted in its B slot)."""
+    time: float
+    """The step's makespan with ``simulate``'s op times (the stages run asynchronously, meeting at transfers)."""
+    idle_time: float
+    """pp · time − the stages' busy time: the bubble in those units."""
+
+
+def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
+    """Run every stage's ops and boundary transfers as separate processes against each other.
+
+    ``times``: (forward, backward, rerun) durations for the clocks each stage keeps (a batch completes when its
+    last peer posted it, transfers take no time): ``Report.time``/``idle_time``.
+    ``length``/``idle`` count the table's slots.
+
+    Each boundary's sends and receives are posted as one batch (``StageComm.send_recv``, as the executor posts
+    them) that completes when every peer has posted the matching op (rendezvous, as gloo and NCCL behave): a stage
+    with nothing at a boundary posts nothing and runs on. Raises AssertionError when a link's two ends disagree on
+    what crosses, in what order; a forward or backward finds its input, output gradient or own forward missing;
+    (a)-(c) are broken; a chunk is not run exactly once forward and once backward per stage; or the stages
+    deadlock."""
+    P, T = s.pp, s.length
+    total = _chunks(s.sizes)
+    streams: list[list] = []
+    for r in range(P):
+        ev: list = []
+        for t in range(T + 1):
+            sx, rx, sg, rg = s.transfers(r, t)
+            batch = []
+            batch += [("send", (r, r + 1), ("act", sx))] if sx is not None else []
+            batch += [("recv", (r - 1, r), ("act", rx))] if rx is not None else []
+            batch += [("send", (r, r - 1), ("grad", sg))] if sg is not None else []
+            batch += [("recv", (r + 1, r), ("grad", rg))] if rg is not None else []
+            if batch:
+                ev.append(batch)
+            if t < T and s.slots[r][t] is not None:
+                ev.append(s.slots[r][t])
+        streams.append(ev)
+    posted: dict[tuple, dict[str, list]] = {}
+    pos = [0] * P
+    waiting: list[list | None] = [None] * P
+    have: list[set] = [set() for _ in range(P)]
+    fdone: list[set] = [set() for _ in range(P)]
+    bdone: list[set] = [set() for _ in range(P)]
+    graphs = [0] * P
+    seq_graphs: list[dict[int, int]] = [{} for _ in range(P)]
+    peak = [0] * P
+    clock, busy = [0.0] * P, [0.0] * P
+    other = {"send": "recv", "recv": "send"}
+    while True:
+        moved = False
+        for r in range(P):
+            while pos[r] < len(streams[r]):
+                ev = streams[r][pos[r]]
+                if isinstance(ev, tuple):  # a compute op
+                    _check_op(s, r, ev, have[r], fdone[r], bdone[r])
+                    kind, c = ev
+                    g = c[0]
+                    t_f, t_b, t_rerun = times
+                    dt = t_f if kind == "F" else t_b + (0.0 if s.kept(c) else t_rerun)
+                    clock[r] += dt
+                    busy[r] += dt
+                    if kind == "F":
+                        fdone[r].add(c)
+                        if s.kept(c):
+                            graphs[r] += 1
+                            seq_graphs[r][g] = seq_graphs[r].get(g, 0) + 1
+                    else:
+                        bdone[r].add(c)
+                        held = 0 if s.kept(c) else 1  # a rerun's graph lives through its B slot
+                        peak[r] = max(peak[r], graphs[r] + held)
+                        assert seq_graphs[r].get(g, 0) + held <= s.keep, f"stage {r}: group {g} holds more than K"
+                        if s.kept(c):
+                            graphs[r] -= 1
+                            seq_graphs[r][g] -= 1
+                    peak[r] = max(peak[r], graphs[r])
+                    assert max(seq_graphs[r].values(), default=0) <= s.keep, f"stage {r}: K broken at {ev}"
+                else:
+                    if waiting[r] is None:
+                        waiting[r] = []
+                        for kind, ch, label in ev:
+                            lst = posted.setdefault(ch, {"send": [], "recv": []})[kind]
+                            lst.append((clock[r], label))
+                            waiting[r].append((kind, ch, len(lst) - 1))
+                    if any(len(posted[ch][other[kind]]) <= n for kind, ch, n in waiting[r]):
+                        break  # a peer has not posted its side yet
+                    for kind, ch, n in waiting[r]:
+                        (t_me, mine), (t_peer, theirs) = posted[ch][kind][n], posted[ch][other[kind]][n]
+                        assert mine == theirs, f"link {ch}: {kind} {mine} met {theirs}"
+                        clock[r] = max(clock[r], t_me, t_peer)
+                        if kind == "recv":
+                            have[r].add(mine)
+                    waiting[r] = None
+                pos[r] += 1
+                moved = True
+        if not moved:
+            break
+    stuck = [r for r in range(P) if pos[r] < len(streams[r])]
+    assert not stuck, f"deadlock: stages {stuck} wait (pp={P}, groups={s.sizes}, K={s.keep})"
+    for r in range(P):
+        assert len(fdone[r]) == len(bdone[r]) == total == len(s.order(r)) / 2, f"stage {r} misses chunks"
+    makespan = max(clock)
+    work = sum(s.dur(op) for r in range(P) for op in s.order(r))
+    return Report(T, P * T - work, peak, makespan, P * makespan - sum(busy))
+
+
+def _check_op(s: Schedule, r: int, op: Op, have: set, fdone: set, bdone: set) -> None:
+    kind, c = op
+    g, j = c
+    if kind == "F":
+        assert c not in fdone, f"stage {r}: F{c} twice"
+        assert r == 0 or ("act", c) in have, f"stage {r}: F{c} before its input arrived"
+        assert j == 0 or (g, j - 1) in fdone, f"stage {r}: F{c} before F{(g, j - 1)}"
+    else:
+        assert c not in bdone and c in fdone, f"stage {r}: B{c} twice or before its F"
+        assert r == s.pp - 1 or ("grad", c) in have, f"stage {r}: B{c} before its output gradient arrived"
+        assert j == s.sizes[g] - 1 or (g, j + 1) in bdone, f"stage {r}: B{c} before B{(g, j + 1)}"
