@@ -396,28 +396,12 @@ def test_chunks_train_like_whole_sequences_dp2(whole: dict) -> None:
         _against_whole(r["runs"][1]["grads"], r["weights"][1], whole)
 
 
-def _pipeline_step(overrides: list[str], keep: int) -> dict:
-    """ChunkFlow's gradients and one optimizer step through the pipeline (no whole-sequence reference here)."""
-    from megasparse.ops.compact import densify_count
-    from megasparse.parallel.consolidate import full_state_dict
-    from megasparse.train import Trainer
-
-    tr = Trainer(_config(overrides + [f"chunkflow.max_chunks_in_memory={keep}"]))
-    tr.chunkflow.source = _Fixed(_sequences())
-    before = densify_count()
-    tr.compute_gradients()
-    densified = densify_count() - before
-    grads = _grads(tr)
-    r = tr.train_step()
-    out = {"grads": grads, "loss": r.loss, "weights": full_state_dict(tr.model), "real": r.extra["real_tokens"]}
-    return out | {"densified": densified}
-
-
 def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dict]:
     """ChunkFlow's gradients and one optimizer step through the pipeline, per variant of the schedule's keys
     (``WEIGHTED`` among them: tables whose backwards take 2 slots and reruns 3, so outputs wait several
     boundaries)."""
     from megasparse.chunkflow.schedule import COST
+    from megasparse.ops.compact import densify_count
     from megasparse.parallel.consolidate import full_state_dict
     from megasparse.train import Trainer
 
@@ -428,11 +412,14 @@ def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dic
         if WEIGHTED in v:
             build = tr.chunkflow.schedule
             tr.chunkflow.schedule = lambda pp, sizes, keep, build=build: build(pp, sizes, keep, cost=COST)
+        before = densify_count()
         tr.compute_gradients()
+        densified = densify_count() - before
         grads = _grads(tr)
         r = tr.train_step()
         weights = full_state_dict(tr.model)
         out.append({"grads": grads, "loss": r.loss, "weights": weights, "real": r.extra["real_tokens"]})
+        out[-1]["densified"] = densified
     return out
 
 
@@ -553,15 +540,19 @@ def test_collider_on_chunks_equals_whole_sequence_collider_tp2_sp() -> None:
 
 @pytest.mark.slow
 def test_collider_on_chunks_tp2_pp2_sp() -> None:
-    """tp 2 × pp 2 + SP, K = 1: each TP rank's heads, the kept rows split over the SP shards (data-dependent counts),
-    each chunk's compact gradient crossing the stages with its own kept count (from the plan), and the first stage
-    learning the earlier chunks' kept rows before its backwards; equals whole-sequence collider (one process)."""
+    """tp 2 × pp 2 + SP through the slot tables (state-aware with one and two sequences in flight, K = 1 and K = all
+    4 chunks; GPipe per group): each TP rank's heads, the kept rows split over the SP shards (data-dependent
+    counts), each chunk's compact gradient crossing the stages with its own kept count (from the plan) in the
+    table's order, and the first stage learning a sequence's kept rows with the gradient of its first backward;
+    equals whole-sequence collider (one process), nothing densified."""
     (ref,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), False)
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
     collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.5"]
-    for r in run_distributed(_pipeline_step, 4, layout + collider, 1):
-        assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5
-        assert r["densified"] == 0
+    variants = PIPELINE_VARIANTS[:3] + [["chunkflow.max_chunks_in_memory=4"]]
+    for rank in run_distributed(_pipeline_steps, 4, layout + collider, variants):
+        for v, r in zip(variants, rank):
+            assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5, v
+            assert r["densified"] == 0, v
 
 
 # -- the pipeline schedule (pure Python) -------------------------------------------------------------------------------
@@ -596,10 +587,15 @@ def test_pipeline_schedules_pair_every_transfer_and_keep_the_order() -> None:
 
 
 def test_pipeline_simulator_catches_a_broken_table() -> None:
-    """Swapping two backwards of one sequence, or two forwards on one stage only (the link then disagrees), fails."""
+    """Swapping two backwards of one sequence, or two forwards on one stage only (the link then disagrees), or a
+    table whose kept positions (collider) do not cross with a sequence's first backward, fails."""
     from dataclasses import replace
 
-    from megasparse.chunkflow.schedule import simulate, state_aware
+    from megasparse.chunkflow.schedule import Schedule, simulate, state_aware
+
+    class Unkept(Schedule):
+        def opens(self, c) -> bool:
+            return False
 
     good = state_aware(2, (3, 1, 1), 3)
     simulate(good)
@@ -613,6 +609,8 @@ def test_pipeline_simulator_catches_a_broken_table() -> None:
     rows[1][f[2]], rows[1][f[3]] = rows[1][f[3]], rows[1][f[2]]
     with pytest.raises(AssertionError):
         simulate(replace(good, slots=tuple(tuple(r) for r in rows)))
+    with pytest.raises(AssertionError, match="before its kept positions"):
+        simulate(Unkept(good.pp, good.sizes, good.keep, good.slots))
 
 
 def test_state_aware_fills_a_long_sequences_bubbles_with_independent_chunks() -> None:

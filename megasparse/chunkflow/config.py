@@ -32,9 +32,9 @@ class ChunkFlowConfig:
     pipeline_schedule: str = "state_aware"
     """Under ``parallel.pp > 1``: ``state_aware`` (ChunkFlow's state-aware 1F1B: independent chunks fill a long
     sequence's fill and drain, decision 1226) or ``gpipe`` (each long sequence fills and drains the pipeline on its
-    own, then the single chunks run 1F1B: the order before it). ``filter.mode=collider`` runs ``gpipe`` whatever
-    this says: the last stage's kept positions pass down between a sequence's forwards and backwards (decision
-    1223); the banner says so."""
+    own, then the single chunks run 1F1B: the order before it). ``filter.mode=collider`` runs either: a sequence's
+    kept positions, chosen on the last stage, cross each stage boundary with the gradient of its first backward
+    (decision 1223)."""
     sequences_in_flight: int = 1
     """``state_aware``: long sequences in progress on a stage at once. 2 lets the next sequence's forwards fill
     the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones) at the
@@ -114,8 +114,8 @@ def chunkflow_line(cfg) -> str:
         f"chunks of {cfg.model.seq_length}, activations of K={cf.max_chunks_in_memory} chunks per sequence kept, "
         f"short sequences {packed}"
     )
-    if cfg.parallel.pp > 1:  # collider's kept positions pass down between a sequence's passes: GPipe per sequence
-        order = "gpipe (collider)" if cfg.filter.mode == "collider" else cf.pipeline_schedule
+    if cfg.parallel.pp > 1:
+        order = cf.pipeline_schedule
         line += f" | pipeline order {order}"
         if order == "state_aware":
             line += f", {cf.sequences_in_flight} sequence(s) in flight"

@@ -27,6 +27,12 @@ its neighbours at rendezvous transfers, as the executor runs. Simulated slots an
   on stage r are bounded by 1F1B's own bound, pp − r, apart from the sequence's K (separate budgets: neither can
   starve the other, which is what keeps the greedy free of deadlock; ``simulate`` checks it).
 
+Collider (decision 1223) needs on every stage a long group's kept positions, which the last stage chooses in the
+group's forwards, before the group's first backward there. In any table that keeps (a), (b) and (d) they exist by
+then: stage r's first backward of group g is B (g, n − 1), after the gradient of B (g, n − 1) on stage r + 1, ...,
+after B (g, n − 1) on the last stage, after all of g's forwards there. So they cross each boundary with that
+gradient (``Schedule.opens``), the same batch, and ``simulate`` checks they arrive before every backward of g.
+
 Pure Python: no torch, no process group.
 """
 
@@ -101,6 +107,11 @@ class Schedule:
         recv_x = prev[1] if prev is not None and prev[0] == "F" else None
         recv_g = nxt[1] if nxt is not None and nxt[0] == "B" else None
         return send_x, recv_x, send_g, recv_g
+
+    def opens(self, c: ChunkId | None) -> bool:
+        """Whether c is a long group's first backward on every stage (its last chunk): under collider its gradient
+        crosses with the group's kept positions (``state.run_schedule``), which the last stage chose."""
+        return c is not None and self.sizes[c[0]] > 1 and c[1] == self.sizes[c[0]] - 1
 
 
 def _chunks(sizes: tuple[int, ...]) -> int:
@@ -260,7 +271,8 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
     Each boundary's sends and receives are posted as one batch (``StageComm.send_recv``, as the executor posts
     them) that completes when every peer has posted the matching op (rendezvous, as gloo and NCCL behave): a stage
     with nothing at a boundary posts nothing and runs on. Raises AssertionError when a link's two ends disagree on
-    what crosses, in what order; a forward or backward finds its input, output gradient or own forward missing;
+    what crosses, in what order (a long group's kept positions, collider's, cross with its first backward's
+    gradient: ``Schedule.opens``); a forward or backward finds its input, output gradient or own forward missing;
     (a)-(c) are broken; a chunk is not run exactly once forward and once backward per stage; or the stages
     deadlock."""
     P, T = s.pp, s.length
@@ -274,7 +286,9 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
             batch += [("send", (r, r + 1), ("act", sx))] if sx is not None else []
             batch += [("recv", (r - 1, r), ("act", rx))] if rx is not None else []
             batch += [("send", (r, r - 1), ("grad", sg))] if sg is not None else []
+            batch += [("send", (r, r - 1), ("kept", sg[0]))] if s.opens(sg) else []
             batch += [("recv", (r + 1, r), ("grad", rg))] if rg is not None else []
+            batch += [("recv", (r + 1, r), ("kept", rg[0]))] if s.opens(rg) else []
             if batch:
                 ev.append(batch)
             if t < T and s.slots[r][t] is not None:
@@ -358,4 +372,5 @@ def _check_op(s: Schedule, r: int, op: Op, have: set, fdone: set, bdone: set) ->
     else:
         assert c not in bdone and c in fdone, f"stage {r}: B{c} twice or before its F"
         assert r == s.pp - 1 or ("grad", c) in have, f"stage {r}: B{c} before its output gradient arrived"
+        assert r == s.pp - 1 or s.sizes[g] == 1 or ("kept", g) in have, f"stage {r}: B{c} before its kept positions"
         assert j == s.sizes[g] - 1 or (g, j + 1) in bdone, f"stage {r}: B{c} before B{(g, j + 1)}"

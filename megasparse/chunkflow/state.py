@@ -136,75 +136,32 @@ def _entry(x: torch.Tensor | None, holder: dict) -> torch.Tensor | None:
     return None if x is None else catch_grad(x.requires_grad_(), holder)
 
 
-def run_group(
-    forward: Forward,
-    offsets: list[int],
-    chunk_size: int,
-    keep: int,
-    p2p: StageComm | None = None,
-    kept: list[int] | None = None,
-) -> None:
-    """Chunks of one group forward in order, backward in reverse; at most ``keep`` (K >= 1) keep their graphs
-    from the forward, the others rerun theirs just before their backward.
-
-    ``p2p``: this pipeline stage's transfers (None: one stage). Every stage runs the group's forwards in chunk
-    order, receiving each chunk's input from the previous stage and sending its output on, then the backwards in
-    reverse order, receiving output gradients and sending input gradients back: both ends of every link see the
-    same order. A rerun starts from the chunk's received input, kept (detached) from its first forward: the
-    recompute is local to each stage, no transfer is repeated.
-
-    ``kept`` (collider): each chunk's kept count. Through the pipeline the last stage's selection (made in its
-    forwards) then passes down to every stage between the forwards and the backwards (``StageComm.pass_back``):
-    an earlier stage's compact backward of chunk j reads the kept rows of chunks < j before their gradients
-    arrive."""
+def run_group(forward: Forward, offsets: list[int], chunk_size: int, keep: int) -> None:
+    """Chunks of one group on one stage: forward in order, backward in reverse; at most ``keep`` (K >= 1) keep
+    their graphs from the forward, the others rerun theirs just before their backward. (Through the pipeline
+    every stage runs its row of a slot table instead: ``run_schedule``.)"""
     n = len(offsets)
     store = KVStore(n, chunk_size)
-    live: dict[int, tuple[torch.Tensor, ChunkKV, dict]] = {}
-    inputs: dict[int, torch.Tensor | None] = {}
+    live: dict[int, tuple[torch.Tensor, ChunkKV]] = {}
     for j in range(n):
-        x = None if p2p is None else p2p.recv_forward()
         kv = ChunkKV(store, j, offsets[j])
         if j >= n - keep:
-            holder: dict = {}
-            out = forward(j, _entry(x, holder), kv, True)
-            live[j] = (out, kv, holder)
+            live[j] = (forward(j, None, kv, True), kv)
         else:
             with torch.no_grad():
-                out = forward(j, x, kv, True)
-            inputs[j] = x
-        if p2p is not None:
-            p2p.send_forward(out)  # (the last stage has no next: its loss stays)
-        del out
-    if kept is not None and p2p is not None:
-        mine = torch.cat([store.kept[j] for j in range(n)]) if store.kept else None  # (the last stage's)
-        every = p2p.pass_back(mine, sum(kept))
-        store.kept = dict(enumerate(every.split(kept)))
+                forward(j, None, kv, True)
     for j in reversed(range(n)):
-        g = None
-        if p2p is not None:
-            with comm.phase("backward"):
-                g = p2p.recv_backward()
         if j in live:
-            out, kv, holder = live.pop(j)
+            out, kv = live.pop(j)
         else:
-            holder = {}
             kv = ChunkKV(store, j, offsets[j], rerun=True)
-            out = forward(j, _entry(inputs.pop(j), holder), kv, False)
-        outs, grads = [out], [g]
-        for layer, k, v in kv.outputs:
-            kv_grad = store.grads_of(layer, j)
-            if kv_grad is not None:
-                outs += [k, v]
-                grads += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
-        torch.autograd.backward(outs, grads)
-        if p2p is not None:
-            with comm.phase("backward"):
-                p2p.send_backward(holder.get("grad"))  # (the first stage has no previous: nothing is sent)
-        del out, kv, outs, grads, holder  # this chunk's graph goes now: memory follows K, not the group's length
+            out = forward(j, None, kv, False)
+        torch.autograd.backward(*_roots(store, j, kv, out, None))
+        del out, kv  # this chunk's graph goes now: memory follows K, not the group's length
 
 
-def _backward(store: KVStore | None, j: int, kv: ChunkKV | None, out: torch.Tensor, g: torch.Tensor | None) -> None:
-    """Chunk j's one ``autograd.backward``: from its output (gradient ``g``; None: the loss) and from its keys/values,
+def _roots(store: KVStore | None, j: int, kv: ChunkKV | None, out: torch.Tensor, g: torch.Tensor | None):
+    """Chunk j's one ``autograd.backward``'s roots: its output (gradient ``g``; None: the loss) and its keys/values,
     whose gradients the later chunks left in the store."""
     outs, grads = [out], [g]
     for layer, k, v in kv.outputs if kv is not None else []:
@@ -212,12 +169,28 @@ def _backward(store: KVStore | None, j: int, kv: ChunkKV | None, out: torch.Tens
         if kv_grad is not None:
             outs += [k, v]
             grads += [kv_grad[0].to(k.dtype), kv_grad[1].to(v.dtype)]
+    return outs, grads
+
+
+def _backward(store: KVStore | None, j: int, kv: ChunkKV | None, out: torch.Tensor, g: torch.Tensor | None) -> None:
+    """Chunk j's backward on a pipeline stage (its transfers tagged as the backward's)."""
     with comm.phase("backward"):
-        torch.autograd.backward(outs, grads)
+        torch.autograd.backward(*_roots(store, j, kv, out, g))
+
+
+def _kept_of(store: KVStore, n: int) -> torch.Tensor:
+    """A group's kept positions, chunk after chunk (what the last stage chose, or received from the next)."""
+    return torch.cat([store.kept[j] for j in range(n)])
 
 
 def run_schedule(
-    plan: Schedule, stage: int, forwards: list[Forward], offsets: list[list[int]], chunk_size: int, p2p: StageComm
+    plan: Schedule,
+    stage: int,
+    forwards: list[Forward],
+    offsets: list[list[int]],
+    chunk_size: int,
+    p2p: StageComm,
+    kept: list[list[int]] | None = None,
 ) -> None:
     """This pipeline stage's slots of ``plan`` (``schedule.py``): group g's chunk j runs ``forwards[g]`` at
     ``offsets[g][j]``, a long group's chunks over its ``KVStore`` (one per group, dropped after its chunk 0's
@@ -228,8 +201,16 @@ def run_schedule(
     neighbours finished then comes in and waits, filed by chunk, until its slot (an op runs when the stage reaches
     its start slot; what it produces waits for the boundary after its last slot). Forwards keep their graphs for
     chunks ``plan.kept`` says; the others keep their received input and run forward again in their backward's slot
-    (no transfer repeated)."""
+    (no transfer repeated).
+
+    ``kept`` (collider, decision 1223): each chunk's kept count, from the plan. Each compact gradient's receive
+    posts its chunk's count; a long group's kept positions, chosen on the last stage in its forwards, cross every
+    boundary with the gradient of the group's first backward (``Schedule.opens``), so an earlier stage's compact
+    backward of chunk j reads the kept rows of chunks < j."""
     stores: dict[int, KVStore] = {}
+    now = [0]  # the kept count of the gradient received at this boundary
+    if kept is not None:
+        p2p.spec.kept_rows, p2p.spec.seq_count, p2p.spec.shards = lambda: now[0], None, 1
     live: dict[ChunkId, tuple[torch.Tensor, ChunkKV | None, dict]] = {}
     inputs: dict[ChunkId, torch.Tensor | None] = {}  # received, waiting for the forward (or kept for the rerun)
     grads: dict[ChunkId, torch.Tensor] = {}
@@ -238,7 +219,16 @@ def run_schedule(
         send_x, recv_x, send_g, recv_g = plan.transfers(stage, t)
         y = None if send_x is None else outgoing.pop(("F", send_x))
         gin = None if send_g is None else outgoing.pop(("B", send_g))
-        x, g = p2p.send_recv(y, recv_x is not None, gin, recv_g is not None)
+        if kept is None:
+            x, g = p2p.send_recv(y, recv_x is not None, gin, recv_g is not None)
+        else:
+            out_kept = _kept_of(stores[send_g[0]], plan.sizes[send_g[0]]) if plan.opens(send_g) else None
+            want = sum(kept[recv_g[0]]) if plan.opens(recv_g) else None
+            now[0] = 0 if recv_g is None else kept[recv_g[0]][recv_g[1]]
+            x, g, idx = p2p.send_recv_kept(y, recv_x is not None, gin, recv_g is not None, out_kept, want)
+            if idx is not None:
+                store = stores.setdefault(recv_g[0], KVStore(plan.sizes[recv_g[0]], chunk_size))
+                store.kept, store._prefix_kept = dict(enumerate(idx.split(kept[recv_g[0]]))), {}
         if recv_x is not None:
             inputs[recv_x] = x
         if recv_g is not None:

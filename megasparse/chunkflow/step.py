@@ -17,7 +17,6 @@ single-chunk groups fill a long sequence's fill and drain; decision 1226) throug
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +32,7 @@ from megasparse.chunkflow.schedule import Schedule, gpipe_per_group, state_aware
 from megasparse.chunkflow.state import ChunkKV, run_group, run_schedule
 from megasparse.ops.compact import KeepHolder, KeepMeta
 from megasparse.ops.documents import DocSpans
-from megasparse.parallel.pipeline import StageComm, one_f_one_b
+from megasparse.parallel.pipeline import StageComm
 
 __all__ = ["ChunkFlowStep", "RankChunks", "chunk_step"]
 
@@ -64,11 +63,12 @@ class ChunkFlowStep:
         per chunk. ``p2p``: the stage's transfers (pipeline stages; None: a single stage, every group through
         ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` or ``collider`` over each chunk's real
         tokens. ``schedule``: the pipeline's slot table for (pp, chunks per group, K) (``schedule.py``; decision
-        1226); collider through the pipeline runs each long sequence GPipe-style instead (decision 1223)."""
+        1226); under collider each compact gradient's receive takes its chunk's kept count from the plan and the
+        kept positions cross with a long group's first backward (``state.run_schedule``, decision 1223)."""
         self.schedule = schedule
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
-        self.p2p = p2p if p2p is None or selection is None or not selection.collider else _KeptCounts(p2p)
+        self.p2p = p2p
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
         self.pack, self.selection = eod is not None, selection
@@ -92,19 +92,18 @@ class ChunkFlowStep:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         plan, sel = work.plan, self.selection
         kept = plan.real_tokens if sel is None else sel.kept(plan)
-        counted = isinstance(self.p2p, _KeptCounts)
         fwds = [self._forward(g, work.sequences, loss_sum, max(kept, 1), step_no) for g in work.groups]
         if self.p2p is None:
             for group, fwd in zip(work.groups, fwds):
                 run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep)
-        elif counted:  # collider through the pipeline: the kept positions pass down between a group's passes
-            self._collider_pipeline(work, fwds, sel)
         else:
             lay = self.p2p.lay
             sizes = tuple(len(g.chunks) for g in work.groups)
             table = self.schedule(lay.pp, sizes, self.keep)
             offsets = [[c.offset for c in g.chunks] for g in work.groups]
-            run_schedule(table, lay.pp_rank, fwds, offsets, self.c, self.p2p)
+            collider = sel is not None and sel.collider
+            counts = [[sel.count(c) for c in g.chunks] for g in work.groups] if collider else None
+            run_schedule(table, lay.pp_rank, fwds, offsets, self.c, self.p2p, counts)
         fill = plan.real_tokens / max(plan.slots, 1)
         if self.seen is None:  # a source that cannot count its past (a test's fixed list) starts from 0
             before = getattr(self.source, "predictions_before", lambda g: 0)
@@ -114,28 +113,6 @@ class ChunkFlowStep:
         if sel is not None:
             self.last["real_kept_share"] = kept / max(plan.real_tokens, 1)
         return loss_sum, work.plan.real_tokens / self.dp
-
-    def _collider_pipeline(self, work: RankChunks, fwds: list, sel: ChunkSelection) -> None:
-        """Collider under pp > 1: each long group GPipe-style (forwards, the last stage's kept positions passed
-        down, backwards in reverse), then the single chunks as 1F1B micro-batches; every compact gradient arrives
-        with the kept count the plan fixes, in this order (decision 1223; the state-aware table is not used)."""
-        long = [g for g in work.groups if len(g.chunks) > 1]
-        short = [g for g in work.groups if len(g.chunks) == 1]
-        self.p2p.expect(
-            [sel.count(c) for g in long for c in reversed(g.chunks)] + [sel.count(g.chunks[0]) for g in short]
-        )
-        singles = []
-        for group, fwd in zip(work.groups, fwds):
-            if len(group.chunks) == 1:
-                singles.append(fwd)
-            else:
-                counts = [sel.count(c) for c in group.chunks]
-                run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep, self.p2p, counts)
-        if singles:
-            one_f_one_b(
-                len(singles), self.p2p, lambda i, x: singles[i](0, x, None, True),
-                lambda i, out, g: torch.autograd.backward(out, g),
-            )  # fmt: skip
 
     def _forward(self, group: Group, sequences: list[np.ndarray], loss_sum: torch.Tensor, normaliser: int, step: int):
         """``state.Forward`` of ``group``'s chunks on this stage (``kv`` None: a chunk with no earlier chunks)."""
@@ -166,30 +143,6 @@ class ChunkFlowStep:
             return out.sum() / normaliser
 
         return forward
-
-
-class _KeptCounts:
-    """The stage's transfers, collider under ``parallel.pp > 1``: a compact gradient's receive must know its kept
-    count ahead (``P2PSpec.kept_rows``), and chunks keep different counts, known from the plan. ``expect`` lists
-    them in the order the step's backwards receive their gradients; each receive takes the next."""
-
-    def __init__(self, p2p: StageComm):
-        self.p2p, self.queue, self.now = p2p, deque(), 0
-        p2p.spec.kept_rows, p2p.spec.seq_count, p2p.spec.shards = lambda: self.now, None, 1
-
-    def expect(self, counts: list[int]) -> None:
-        self.queue = deque(counts)
-
-    def __getattr__(self, name: str):
-        return getattr(self.p2p, name)
-
-    def recv_backward(self) -> torch.Tensor | None:
-        self.now = self.queue.popleft()
-        return self.p2p.recv_backward()
-
-    def send_forward_recv_backward(self, y: torch.Tensor) -> torch.Tensor | None:
-        self.now = self.queue.popleft()
-        return self.p2p.send_forward_recv_backward(y)
 
 
 def chunk_step(

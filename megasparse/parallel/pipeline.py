@@ -193,6 +193,22 @@ class StageComm:
         ``interleaved.simulate`` checks it). Compact gradients whose row count only the indices tell send their
         rows in a second batch with the receive of the rows: held in the first batch, round the ring every rank
         would wait for a receive its peer posts only after that batch."""
+        x, gin, _ = self.send_recv_kept(y, want_x, g, want_g)
+        return x, gin
+
+    def send_recv_kept(
+        self,
+        y: torch.Tensor | None,
+        want_x: bool,
+        g: torch.Tensor | None,
+        want_g: bool,
+        kept: torch.Tensor | None = None,
+        want_kept: int | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``send_recv`` whose gradients may carry indices too: ``kept`` goes back with ``g`` and ``want_kept``
+        indices come with the received gradient, each right after its gradient's indices in the first batch (both
+        ends in one order). ChunkFlow's collider passes a sequence's kept positions down this way (decision
+        1223)."""
         ops: list = [("send", y.contiguous(), self.next, "forward")] if y is not None else []
         x = self._act() if want_x else None
         if x is not None:
@@ -202,16 +218,21 @@ class StageComm:
             sends = [(*op, "backward") for op in self._grad_ops(g)]
             split = isinstance(g, CompactGrad) and self.static_rows() is None
             ops, later = (ops + sends[:1], sends[1:]) if split else (ops + sends, [])
+        if kept is not None:
+            ops.append(("send", kept.contiguous(), self.prev, "backward"))
         bufs = None
         if want_g:
             recv, bufs = self._recv_grad_phase1()
             ops += recv
+        idx = None if want_kept is None else torch.empty(want_kept, dtype=torch.long, device=self.spec.device)
+        if idx is not None:
+            ops.append(("recv", idx, self.next))
         comm.p2p(ops, self.group)
         if bufs is None:
             comm.p2p(later, self.group)
-            return x, None
+            return x, None, idx
         with comm.phase("backward"):
-            return x, self._recv_grad_phase2(bufs, later)
+            return x, self._recv_grad_phase2(bufs, later), idx
 
     def send_backward_recv_forward(self, g: torch.Tensor | None) -> torch.Tensor | None:
         if self.prev is None:
@@ -219,17 +240,6 @@ class StageComm:
         t = self._act()
         comm.p2p(self._grad_ops(g) + [("recv", t, self.prev)], self.group)
         return t
-
-    def pass_back(self, idx: torch.Tensor | None, n: int) -> torch.Tensor:
-        """``n`` indices the last stage made (``idx`` there), received from the next stage and sent on to the
-        previous one: every stage then holds them (ChunkFlow's kept positions of a sequence's chunks under
-        collider, which the earlier stages' backwards need before their gradients arrive)."""
-        if self.next is not None:
-            idx = torch.empty(n, dtype=torch.long, device=self.spec.device)
-            comm.p2p([("recv", idx, self.next)], self.group)
-        if self.prev is not None:
-            comm.p2p([("send", idx.contiguous(), self.prev)], self.group)
-        return idx
 
 
 def catch_grad(x: torch.Tensor, holder: dict) -> torch.Tensor:
