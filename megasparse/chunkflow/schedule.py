@@ -41,6 +41,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from megasparse.parallel.rendezvous import Links
+
 ChunkId = tuple[int, int]
 """(group, chunk index in the group), the group's index in the rank's list."""
 Op = tuple[str, ChunkId]
@@ -294,9 +296,8 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
             if t < T and s.slots[r][t] is not None:
                 ev.append(s.slots[r][t])
         streams.append(ev)
-    posted: dict[tuple, dict[str, list]] = {}
+    links = Links()
     pos = [0] * P
-    waiting: list[list | None] = [None] * P
     have: list[set] = [set() for _ in range(P)]
     fdone: list[set] = [set() for _ in range(P)]
     bdone: list[set] = [set() for _ in range(P)]
@@ -304,7 +305,6 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
     seq_graphs: list[dict[int, int]] = [{} for _ in range(P)]
     peak = [0] * P
     clock, busy = [0.0] * P, [0.0] * P
-    other = {"send": "recv", "recv": "send"}
     while True:
         moved = False
         for r in range(P):
@@ -334,21 +334,11 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
                     peak[r] = max(peak[r], graphs[r])
                     assert max(seq_graphs[r].values(), default=0) <= s.keep, f"stage {r}: K broken at {ev}"
                 else:
-                    if waiting[r] is None:
-                        waiting[r] = []
-                        for kind, ch, label in ev:
-                            lst = posted.setdefault(ch, {"send": [], "recv": []})[kind]
-                            lst.append((clock[r], label))
-                            waiting[r].append((kind, ch, len(lst) - 1))
-                    if any(len(posted[ch][other[kind]]) <= n for kind, ch, n in waiting[r]):
+                    got = links.meet(r, ev, clock[r])
+                    if got is None:
                         break  # a peer has not posted its side yet
-                    for kind, ch, n in waiting[r]:
-                        (t_me, mine), (t_peer, theirs) = posted[ch][kind][n], posted[ch][other[kind]][n]
-                        assert mine == theirs, f"link {ch}: {kind} {mine} met {theirs}"
-                        clock[r] = max(clock[r], t_me, t_peer)
-                        if kind == "recv":
-                            have[r].add(mine)
-                    waiting[r] = None
+                    clock[r], received = got
+                    have[r].update(received)
                 pos[r] += 1
                 moved = True
         if not moved:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from megasparse.parallel.rendezvous import Links
+
 Key = tuple[int, int]
 """(chunk, micro-batch)."""
 
@@ -163,9 +165,8 @@ def simulate(
                 (later if two_phase else ops).append(("recv", (nxt, r), ("rows",) + st.recv_bwd))
             out += [ops] + ([later] if later else [])
         batches.append(out)
-    posted: dict[tuple, dict[str, list]] = {}  # channel -> {"send": [(time, label)], "recv": [...]}
+    links = Links()
     pos, clock, busy = [0] * P, [0.0] * P, [0.0] * P
-    mine: list[list | None] = [None] * P  # the posted batch's (kind, channel, index) while a rank waits
     have: list[set] = [set() for _ in range(P)]  # labels received
     while True:
         moved = False
@@ -182,24 +183,11 @@ def simulate(
                     clock[r] += dt
                     busy[r] += dt
                 else:
-                    if mine[r] is None:
-                        mine[r] = []
-                        for kind, ch, label in st:
-                            lst = posted.setdefault(ch, {"send": [], "recv": []})[kind]
-                            lst.append((clock[r], label))
-                            mine[r].append((kind, ch, len(lst) - 1))
-                    other = {"send": "recv", "recv": "send"}
-                    if any(len(posted[ch][other[kind]]) <= n for kind, ch, n in mine[r]):
+                    got = links.meet(r, st, clock[r])
+                    if got is None:
                         break  # a peer has not posted the matching op yet
-                    done = clock[r]
-                    for kind, ch, n in mine[r]:
-                        (t_me, lab), (t_peer, lab_peer) = posted[ch][kind][n], posted[ch][other[kind]][n]
-                        assert lab == lab_peer, f"channel {ch}: {kind} {lab} met {lab_peer}"
-                        done = max(done, t_me, t_peer)
-                        if kind == "recv":
-                            have[r].add(lab)
-                    clock[r] = done
-                    mine[r] = None
+                    clock[r], received = got
+                    have[r].update(received)
                 pos[r] += 1
                 moved = True
         if not moved:
