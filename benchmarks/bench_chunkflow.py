@@ -244,8 +244,7 @@ def format_table(rep: dict) -> str:
             continue
 
         def f(key, spec, c=c):
-            x = c.get(key)
-            return format(x, spec) if x is not None else f"{'-':>{spec.split('.')[0]}}"
+            return bt.cell(c, key, spec)
 
         lines.append(
             f"{c['mode']:<14} {c['max_length']:>6} {c['step_ms']:9.1f} {c['real_tokens_per_s']:11.0f} "

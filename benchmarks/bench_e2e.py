@@ -459,8 +459,7 @@ def format_table(report: dict) -> str:
             continue
 
         def f(key, spec, c=c):
-            x = c.get(key)
-            return format(x, spec) if x is not None else f"{'-':>{spec.split('.')[0]}}"
+            return bt.cell(c, key, spec)
 
         mfu = f"{100 * c['mfu']:5.1f}%" if c.get("mfu") is not None else f"{'-':>6}"
         lines.append(

@@ -279,6 +279,12 @@ def summarize(
     }
 
 
+def cell(case: dict, key: str, spec: str) -> str:
+    """One table cell: ``case[key]`` formatted by ``spec``, or a right-aligned "-" of the spec's width when absent."""
+    x = case.get(key)
+    return format(x, spec) if x is not None else f"{'-':>{spec.split('.')[0]}}"
+
+
 def format_table(rows: list[dict], device: str, layout: str) -> str:
     head = (
         f"{'impl':<12} {'mb':>3} {'step ms':>9} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB':>8} "
