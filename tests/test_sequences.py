@@ -166,3 +166,7 @@ def test_data_command(tmp_path, capsys):
     assert main(["data", "lengths", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "does not exist" in err
+    before = (tmp_path / "c.bin").read_bytes()  # a second longtail into the same prefix refuses and writes nothing
+    assert main(["data", "longtail", "--output-prefix", str(tmp_path / "c"), "--docs", "9", "--max-length", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "already exist" in err and (tmp_path / "c.bin").read_bytes() == before

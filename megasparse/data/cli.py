@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from megasparse.data.indexed import DataError
 
@@ -37,8 +38,14 @@ def _longtail(args: argparse.Namespace) -> int:
         min_length=min(args.min_length, args.max_length),
         tokens=args.tokens,
     )
+    base = args.output_prefix
+    taken = [
+        f"{base}{ext}" for ext in (".bin", ".idx", ".tokenizer.json", ".longtail.json") if Path(f"{base}{ext}").exists()
+    ]
+    if taken:  # never replace a dataset someone may be training on
+        raise DataError(f"--output-prefix {base}: {', '.join(taken)} already exist; choose another prefix")
     t0 = time.time()
-    man = write_longtail(args.output_prefix, spec)
+    man = write_longtail(base, spec)
     print(format_report(man["report"]))
     print(f"tokenizer: {man['tokenizer']} (vocab {spec.vocab}, EOD id {man['eod_id']}); {time.time() - t0:.2f}s")
     return 0
