@@ -26,7 +26,11 @@ Modes, each on the same data and model, every rank in the same process group:
 * ``padded/causal``: the same windows with plain causal attention (what document attention costs; not in the
   default list).
 * ``chunkflow``: megasparse with ChunkFlow (``chunkflow.enabled``, ``chunkflow.chunk_size``,
-  ``chunkflow.max_chunks_in_memory``): see :func:`chunkflow_overrides`, the hook its engineer fills in.
+  ``chunkflow.max_chunks_in_memory``, ``chunkflow.sequences_in_flight`` = ``--in-flight``): see
+  :func:`chunkflow_overrides`. Its step takes as many whole sequences as hold one ``padded`` step's tokens on
+  average (``--chunkflow-batch``, :func:`chunkflow_batch`): both then take optimizer steps of the same size, and
+  the pipeline gets as many chunks per step as packing gets windows' worth. ``mcore-fixed`` keeps the layout's
+  global batch (its time per real token does not depend on it: every sequence is its own padded micro-batch).
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
 ``chunkflow``) at the others, each on its own set generated with that S (same shape, scaled) and the same chunk
@@ -88,11 +92,14 @@ EXTRA_MODES = ("padded/causal",)
 MCORE = "mcore-fixed"
 
 
-def chunkflow_overrides(a: argparse.Namespace) -> list[str]:
+def chunkflow_overrides(a: argparse.Namespace, batch: int | None = None) -> list[str]:
     """The chunkflow mode's trainer config (docs/chunkflow.md), on top of the layout's and the data's: whole
     sequences through ``SequenceDataset.step_sequences``, one chunk per micro-batch; the trainer reports the step's
-    global real tokens in ``StepResult.extra["real_tokens"]``."""
+    global real tokens in ``StepResult.extra["real_tokens"]``. ``batch``: sequences per step (None: the layout's
+    global batch)."""
     return [
+        *([] if batch is None else [f"train.global_batch_size={batch}"]),
+        f"chunkflow.sequences_in_flight={a.in_flight}",
         "chunkflow.enabled=true",
         f"chunkflow.chunk_size={a.chunk_size}",
         f"chunkflow.max_chunks_in_memory={a.max_chunks}",
@@ -102,14 +109,29 @@ def chunkflow_overrides(a: argparse.Namespace) -> list[str]:
     ]
 
 
-def mode_overrides(mode: str, a: argparse.Namespace) -> list[str]:
+def mode_overrides(mode: str, a: argparse.Namespace, batch: int | None = None) -> list[str]:
     """A megasparse mode's overrides (``mcore-fixed`` runs megatron-core on the base config)."""
     return {
         MCORE: [],
         "padded": ["data.document_attention=true"],
         "padded/causal": [],
-        "chunkflow": chunkflow_overrides(a) if a.chunk_size else [],
+        "chunkflow": chunkflow_overrides(a, batch) if a.chunk_size else [],
     }[mode]
+
+
+def chunkflow_batch(a: argparse.Namespace, cfg, vocab: int, dp: int) -> int | None:
+    """Sequences per ChunkFlow step: ``--chunkflow-batch``; 0 (default): as many as hold the tokens of one
+    ``padded`` step (G windows of S) on average, a multiple of the DP size, so both modes take optimizer steps of
+    the same size and ChunkFlow's pipeline gets as many chunks per step as packing gets windows' worth; -1: the
+    layout's global batch (as ``mcore-fixed``)."""
+    if a.chunkflow_batch > 0:
+        return a.chunkflow_batch
+    if a.chunkflow_batch < 0:
+        return None
+    train, _, _ = build_sequence_datasets(cfg.data, cfg.model.seq_length, vocab)
+    mean = max(1.0, float(train.lengths.mean()))
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    return max(dp, round(tokens / mean / dp) * dp)
 
 
 def ensure_data(a: argparse.Namespace, vocab: int, max_length: int) -> str:
@@ -234,7 +256,7 @@ def add_ratios(cases: list[dict]) -> None:
 
 
 def format_table(rep: dict) -> str:
-    head = f"{'mode':<14} {'S':>6} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} {'mem GiB':>8} "
+    head = f"{'mode':<14} {'S':>6} {'G':>5} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} {'mem GiB':>8} "
     head += f"{'vs mcore':>9} {'vs padded':>9} {'mem/S0':>7}"
     lines = [f"chunkflow | {rep['device']} | {rep['layout']}: {rep['shape']}", *rep["data_lines"], head]
     lines.append("-" * len(head))
@@ -247,12 +269,12 @@ def format_table(rep: dict) -> str:
             return bt.cell(c, key, spec)
 
         lines.append(
-            f"{c['mode']:<14} {c['max_length']:>6} {c['step_ms']:9.1f} {c['real_tokens_per_s']:11.0f} "
+            f"{c['mode']:<14} {c['max_length']:>6} {c['global_batch_size']:>5} {c['step_ms']:9.1f} {c['real_tokens_per_s']:11.0f} "
             f"{c['real_tokens_per_s_per_gpu']:9.0f} {100 * c['padding_share']:7.1f}% {f('mem_gib', '8.2f')} "
             f"{f('vs_mcore_fixed', '9.3f')} {f('vs_padded', '9.3f')} {f('mem_vs_first_length', '7.3f')}"
         )
     lines.append(
-        "real tok/s: non-padding input tokens per second, all GPUs; vs: real tokens/s over that mode's at the same S "
+        "G: sequences (windows for packing) per step; real tok/s: non-padding input tokens per second, all GPUs; vs: real tokens/s over that mode's at the same S "
         "(> 1: faster); mem/S0: peak memory over the same mode's at the first S"
     )
     return "\n".join(lines)
@@ -293,13 +315,15 @@ def plan(a: argparse.Namespace, lay: dict, world: int) -> list[dict]:
         base_cfg, base_ov = _config(a, lay, prefix, s, [])
         base_cfg.validate(world)
         modes = a.modes if i == 0 else [m for m in a.longer_modes if m in a.modes]
+        dp = world // (base_cfg.parallel.tp * base_cfg.parallel.pp)
+        batch = chunkflow_batch(a, base_cfg, vocab, dp) if "chunkflow" in modes else None
         cfgs, unavailable = {}, {}
         for m in modes:
             if m == "chunkflow" and not a.chunk_size:
                 unavailable[m] = "not available: --chunk-size 0"
                 continue
             try:
-                cfgs[m] = _config(a, lay, prefix, s, mode_overrides(m, a))[0]
+                cfgs[m] = _config(a, lay, prefix, s, mode_overrides(m, a, batch))[0]
                 cfgs[m].validate(world)
             except ConfigError as e:
                 unavailable[m] = f"not available: {e}"
@@ -396,6 +420,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--data-dir", default=os.environ.get("MEGASPARSE_CACHE", "/tmp/megasparse-chunkflow"))
     p.add_argument("--chunk-size", type=int, default=None, help="chunkflow.chunk_size (default S/4; 0: skip)")
     p.add_argument("--max-chunks", type=int, default=2, help="chunkflow.max_chunks_in_memory")
+    p.add_argument("--chunkflow-batch", type=int, default=0, help="sequences per chunkflow step (0: padded's tokens)")
+    p.add_argument("--in-flight", type=int, default=1, help="chunkflow.sequences_in_flight")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))

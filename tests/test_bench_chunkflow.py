@@ -36,12 +36,15 @@ def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
         c = by[mode]
         assert "error" not in c, c
         assert c["real_tokens_per_s"] > 0 and c["step_ms"] > 0 and all(np.isfinite(c["losses"]))
+    # ChunkFlow's step holds about as many tokens as one packed step: many more sequences than windows
+    assert by["chunkflow"]["global_batch_size"] > 2 * by["padded"]["global_batch_size"]
+    assert 0.5 < by["chunkflow"]["real_tokens_per_step"] / by["padded"]["real_tokens_per_step"] < 2
     # packing has no padding: every input position of the global batch is a real token
     causal = by["padded/causal"]
     assert causal["real_tokens_per_step"] == 4 * 128 and causal["padding_share"] == 0.0
     d = rep["distribution"]
     assert d["documents"] > 1000 and d["max"] <= 128 and d["windows"]["seq_length"] == 128
-    assert rep["table"].splitlines()[-1].startswith("real tok/s")
+    assert rep["table"].splitlines()[-1].startswith("G: sequences")
 
 
 def test_mcore_fixed_pads_each_sequence_and_counts_its_real_tokens(tmp_path) -> None:

@@ -105,7 +105,12 @@ def test_spans_and_attention_replay_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     y_eager, g_eager = run()
-    assert torch.equal(y_static, y_eager) and torch.equal(g_static, g_eager)
+    # cuDNN's backward accumulates dq with atomics (not bitwise reproducible): compare at bf16 rounding, and check
+    # the replay did follow the new ids (stale spans would leave sequence 1 one document)
+    assert rel(y_static, y_eager) < 1e-2 and rel(g_static, g_eager) < 1e-2
+    static.copy_(ids.cuda())
+    y_old, _ = run()
+    assert rel(y_old[:, 1], y_eager[:, 1]) > 1e-1
 
 
 @pytest.mark.parametrize("mode", ["dense", "collider"])

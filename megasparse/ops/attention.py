@@ -158,6 +158,17 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
     return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
 
 
+def _aligned_rows(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` [b, h, m] laid out with its rows' stride rounded up to 32 elements on CUDA: the memory-efficient
+    backward refuses an lse whose head stride is not (its forward pads to 32); the CPU kernel takes it as it is."""
+    if not lse.is_cuda:
+        return lse.contiguous()
+    b, h, m = lse.shape
+    buf = lse.new_zeros(b, h, -(-m // 32) * 32)
+    buf[..., :m] = lse
+    return buf[..., :m]
+
+
 def _rows_at(t: torch.Tensor, flat: torch.Tensor, b: int, m: int) -> torch.Tensor:
     """[b, h, m, d]: ``t`` [b, h, s, d] at the kept positions (``flat`` = position·b + sequence, [b·m]). One row
     gather (index_select) when t is a view of [s, b, h·d] rows, as q, k, v and cuDNN's output are; an
@@ -282,7 +293,7 @@ class AttentionFn(torch.autograd.Function):
             "attn_flat", lambda: (pos * b + torch.arange(b, device=pos.device)[:, None]).reshape(-1)
         )
         sub = [_rows_at(t, flat, b, m) for t in (q, k, v, out)]
-        lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)).contiguous()
+        lse_b = _aligned_rows(lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)))
         if docs is None:
             dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
             got = finish(dq, dk, dv, pos).reshape(-1, shape[-1])
