@@ -118,3 +118,38 @@ def test_auto_keeps_the_bias_on_cpu():
     q = torch.zeros(1, 1, 4, 8)
     assert not doc_flex.chosen("auto", q) and doc_flex.chosen("flex", q) and not doc_flex.chosen("bias", q)
     assert not doc_flex.chosen("auto", q.bfloat16())
+
+
+@pytest.mark.usefixtures("flex_backward_on_cpu")
+def test_packed_window_equals_documents_alone_with_flex_tp1(monkeypatch):
+    """The trainer with ``data.document_attention_kernel=flex`` (flex forward, the GPU's recomputed-flex dense
+    backward; the compact backward after it; under the full layer checkpoint) trains each document as if alone."""
+    from distributed import run_distributed
+    from test_document_attention import COLLIDER, assert_documents_alone, packed_run
+
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        fn = getattr(doc_flex, f"flex_{name}")
+
+        def counted(*a, fn=fn, name=name):
+            calls[name] += 1
+            return fn(*a)
+
+        monkeypatch.setattr(doc_flex, f"flex_{name}", counted)
+    flex = ["data.document_attention_kernel=flex"]
+    runs = [flex, flex + COLLIDER, flex + ["model.recompute=full"]]
+    dense, collider, full = run_distributed(packed_run, 1, runs)[0]
+    assert calls["forward"] > 0 and calls["backward"] > 0, calls
+    assert_documents_alone([dense], False)
+    assert_documents_alone([collider], True)
+    assert_documents_alone([full], False)
+
+
+def test_kernel_key_is_checked():
+    from tiny import tiny
+
+    from megasparse.config import load_config
+    from megasparse.configbase import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean 'flex'"):
+        load_config(None, tiny(data__document_attention_kernel="flx"))
