@@ -222,9 +222,13 @@ class AttentionFn(torch.autograd.Function):
         scale = d**-0.5
         flex = docs is not None and doc_flex.chosen(docs.kernel, q)
         if flex:  # FlexAttention's block mask (decision 1201); a compact backward takes the bias kernels' backward
-            out, lse = doc_flex.flex_forward(q, k, v, docs, scale)
-            rng = doc_flex.bias_rng(q, docs)
-        else:
+            try:
+                out, lse = doc_flex.flex_forward(q, k, v, docs, scale)
+                rng = doc_flex.bias_rng(q, docs)
+            except Exception as e:  # noqa: BLE001 - a compiler's or kernel's failure: the bias path takes over
+                doc_flex.flex_failed(e, q)
+                flex = False
+        if not flex:
             mask = None if docs is None else _doc_bias(docs, q)
             out, lse, rng = _flash_fwd(q, k, v, scale, mask)  # k, v keep GQA's nkv heads (saved: 1/group the memory)
         y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
@@ -266,10 +270,15 @@ class AttentionFn(torch.autograd.Function):
             if docs is None:
                 dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
                 dqkv = finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape)
-            elif ctx.flex and doc_flex.has_backward(q):  # the flex forward again under autograd (decision 1201)
-                dq, dk, dv = doc_flex.flex_backward(go, q, k, v, docs, scale)
-            else:  # the bias kernels' backward (after a flex forward on CPU too: its out and lse are the same)
-                dq, dk, dv = _flash_bwd(go, q, k, v, out, lse.contiguous(), rng, scale, _doc_bias(docs, q))
+            else:
+                dq = None
+                if ctx.flex and doc_flex.has_backward(q) and doc_flex.chosen(docs.kernel, q):
+                    try:  # the flex forward again under autograd (decision 1201)
+                        dq, dk, dv = doc_flex.flex_backward(go, q, k, v, docs, scale)
+                    except Exception as e:  # noqa: BLE001 - as in the forward: the bias kernels' backward instead
+                        doc_flex.flex_failed(e, q)
+                if dq is None:  # the bias kernels' backward (after a flex forward too: its out and lse are the same)
+                    dq, dk, dv = _flash_bwd(go, q, k, v, out, lse.contiguous(), rng, scale, _doc_bias(docs, q))
             if docs is not None:
                 dqkv = finish(dq, dk, dv, docs.rope_positions()).reshape(shape)
             return dqkv, None, None, None, None, None, bias_grad(dqkv), None

@@ -24,7 +24,7 @@ import torch
 
 from megasparse.ops.documents import DocSpans
 
-__all__ = ["available", "chosen", "block_mask", "flex_forward", "flex_backward", "has_backward"]
+__all__ = ["available", "block_mask", "chosen", "flex_backward", "flex_failed", "flex_forward", "has_backward"]
 
 BLOCK = 128
 """The block mask's tile (flex's default sparse block): the mask_mod's segment table is padded to a multiple."""
@@ -48,9 +48,25 @@ def available() -> bool:
     return _module() is not None
 
 
+_OK = {"ok": True}
+"""FlexAttention runs on CUDA until a call of it (its compilation included) fails; then the bias path, one warning."""
+
+
+def flex_failed(e: Exception, q: torch.Tensor) -> None:
+    """A failed flex call on CUDA turns flex off for the process (re-raised on CPU, where tests want to see it)."""
+    import warnings
+
+    if not q.is_cuda:
+        raise e
+    _OK["ok"] = False
+    warnings.warn(f"megasparse: FlexAttention unavailable ({type(e).__name__}: {e}); using the bias", stacklevel=3)
+
+
 def chosen(kernel: str, q: torch.Tensor) -> bool:
     """Whether the documents' attention of ``q`` runs on flex: ``flex`` always, ``auto`` on CUDA at bf16/fp16,
-    ``bias`` never."""
+    ``bias`` never; neither after a flex call failed on CUDA (``flex_failed``)."""
+    if not _OK["ok"]:
+        return False
     if kernel == "flex":
         return True
     return kernel == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and available()
@@ -97,7 +113,9 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float)
     older with ``return_lse=True``; both return the natural logarithm (the kernels keep log2 statistics and the
     public function rescales them by ln 2; ``tests/test_doc_flex.py`` checks it against an fp64 logsumexp)."""
     mod, fn = _module(), _fns(q.is_cuda)[0]
-    if "return_aux" in inspect.signature(mod.flex_attention).parameters:
+    if "aux" not in _FN:  # asked once: the signature is read on the host
+        _FN["aux"] = "return_aux" in inspect.signature(mod.flex_attention).parameters
+    if _FN["aux"]:
         out, aux = fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=mod.AuxRequest(lse=True))
         return out, aux.lse
     return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
