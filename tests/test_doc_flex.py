@@ -153,3 +153,26 @@ def test_kernel_key_is_checked():
 
     with pytest.raises(ConfigError, match="did you mean 'flex'"):
         load_config(None, tiny(data__document_attention_kernel="flx"))
+
+
+def test_new_documents_do_not_recompile(monkeypatch):
+    """The GPU's compiled route (``torch.compile(..., dynamic=False)`` of create_block_mask and flex_attention)
+    traces once: a fresh mask_mod closure over new segments each micro-batch hits the cache, so nothing compiles
+    inside a CUDA-graph capture after the warm-up. A counting backend stands in for inductor on CPU."""
+    import torch._dynamo.testing as dt
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    counters = dt.CompileCounter(), dt.CompileCounter()
+    compiled = (
+        torch.compile(flex_attention, backend=counters[0], dynamic=False),
+        torch.compile(create_block_mask, backend=counters[1], dynamic=False),
+    )
+    monkeypatch.setattr(doc_flex, "_fns", lambda cuda: compiled)
+    gen = torch.Generator().manual_seed(0)
+    for n in range(3):
+        ids = torch.randint(10, 50, (150, 2), generator=gen)
+        ids[torch.randint(0, 150, (3 + n,), generator=gen), 0] = EOD
+        q, k = torch.randn(2, 4, 150, 16, generator=gen), torch.randn(2, 2, 150, 16, generator=gen)
+        out, _ = doc_flex.flex_forward(q, k, k, DocSpans.from_ids(ids, EOD, "flex"), 0.25)
+        assert rel(out, reference_attention(q, k, k, DocSpans.from_ids(ids, EOD).allowed(), 0.25)) < 1e-5
+    assert [c.frame_count for c in counters] == [1, 1]
