@@ -176,3 +176,24 @@ def test_new_documents_do_not_recompile(monkeypatch):
         out, _ = doc_flex.flex_forward(q, k, k, DocSpans.from_ids(ids, EOD, "flex"), 0.25)
         assert rel(out, reference_attention(q, k, k, DocSpans.from_ids(ids, EOD).allowed(), 0.25)) < 1e-5
     assert [c.frame_count for c in counters] == [1, 1]
+
+
+def _flex_packed_run(runs: list[list[str]]) -> list[dict]:
+    """``packed_run`` in a worker process with the GPU's recomputed-flex backward on CPU (the fixture's patches)."""
+    import torch.nn.attention.flex_attention as fa
+    from test_document_attention import packed_run
+
+    fa._validate_device = lambda *a: None
+    doc_flex.has_backward = lambda q: True
+    return packed_run(runs)
+
+
+def test_packed_window_equals_documents_alone_with_flex_tp2_sp():
+    """TP 2 + SP on gloo: the attention sees the whole window after the all-gather; flex on each rank's heads."""
+    from distributed import run_distributed
+    from test_document_attention import COLLIDER, assert_documents_alone
+
+    layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "data.document_attention_kernel=flex"]
+    runs = run_distributed(_flex_packed_run, 2, [layout, layout + COLLIDER])
+    assert_documents_alone([r[0] for r in runs], False)
+    assert_documents_alone([r[1] for r in runs], True, sp=2)
