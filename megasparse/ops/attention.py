@@ -232,6 +232,8 @@ class AttentionFn(torch.autograd.Function):
             mask = None if docs is None else _doc_bias(docs, q)
             out, lse, rng = _flash_fwd(q, k, v, scale, mask)  # k, v keep GQA's nkv heads (saved: 1/group the memory)
         y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        if flex:  # flex writes [b, h, s, d]: y is a copy, and the saved output a view of it (one copy in memory)
+            out = y.view(s, b, nq, d).permute(1, 2, 0, 3)
         if recompute:
             ctx.save_for_backward(qkv, y, lse, cos, sin)
         else:
