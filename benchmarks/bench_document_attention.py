@@ -9,7 +9,8 @@ heads of 128), plain causal and with documents under each kernel (``bias``, ``fl
 forward + backward the same way. The spans and the mask are built once per micro-batch and shared by every layer,
 so they are timed apart: ``bias_build_ms`` (spans + the [b, 1, s, s] bias) and ``block_mask_ms`` (spans +
 ``create_block_mask``); ``overhead_<kernel>_pct`` charges one 32nd of it (one layer's share) to the block:
-(block with documents + build / 32) / causal block − 1. Issue 30 asks for at most 5%.
+(block with documents + build / 32) / causal block − 1. Issue 30 asks for at most 5%. ``attn_*_fwd_ms``: the
+op's forward alone (no grad), causal and flex: flex's dense backward runs that forward once more (decision 1201).
 
 Mixes, documents packed back to back into the windows like ``megasparse preprocess`` data (they cross windows):
 ``fixed``: every document ``--doc-len`` tokens; ``lognormal``: lengths drawn log-normal with median ``--doc-len`` and
@@ -90,6 +91,10 @@ def measure(cfg: ModelConfig, seq: int, micro: int, mix: str, doc_len: int, devi
         qkv.grad = None
         attn.attention(qkv, nq, nkv, cos, sin, docs=spans.get(kernel)).backward(g_attn)
 
+    def op_forward(kernel: str | None):
+        with torch.no_grad():
+            attn.attention(qkv, nq, nkv, cos, sin, docs=spans.get(kernel))
+
     def layer(kernel: str | None):
         x = x0.clone().requires_grad_()
         block(x, cos, sin, spans.get(kernel)).backward(g_block)
@@ -104,6 +109,8 @@ def measure(cfg: ModelConfig, seq: int, micro: int, mix: str, doc_len: int, devi
     row = dict(seq=seq, micro=micro, mix=mix, doc_len=doc_len, documents=int((ids == EOD).sum()) + micro)
     row["attn_causal_ms"] = timed(lambda: op(None), reps, device)
     row["block_causal_ms"] = timed(lambda: layer(None), reps, device)
+    row["attn_causal_fwd_ms"] = timed(lambda: op_forward(None), reps, device)
+    row["attn_flex_fwd_ms"] = timed(lambda: op_forward("flex"), reps, device)  # what flex's backward recomputes
     for k in KERNELS:
         row[f"attn_{k}_ms"] = timed(lambda k=k: op(k), reps, device)
         row[f"block_{k}_ms"] = timed(lambda k=k: layer(k), reps, device)
