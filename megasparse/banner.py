@@ -101,7 +101,8 @@ def format_banner(cfg: Config, f: RunFacts) -> str:
             shown = _onoff(value) if isinstance(value, bool) else str(value)
             lines.append(f"  {key:<10} {shown} ({section}.{key})")
     if getattr(cfg.data, "document_attention", False):
-        lines.append("  documents  attention within each document, positions restart after each EOD")
+        kernel = getattr(cfg.data, "document_attention_kernel", "bias")
+        lines.append(f"  documents  attention within each document, positions restart after each EOD ({kernel} kernel)")
     lines.append(f"  graphs     {'on' if f.graphs_off is None else 'off: ' + f.graphs_off}")
     o = cfg.optim
     lines.append(

@@ -340,8 +340,12 @@ def test_benchmark_small_runs(tmp_path):
         [sys.executable, str(script), "--small", "--out", str(out)], cwd=root, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (case,) = json.loads(out.read_text())["cases"]
-    assert case["documents"] > 1 and case["attn_documents_ms"] > 0 and "overhead_pct" in case
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["mix"] for c in cases] == ["fixed", "lognormal"]
+    for case in cases:
+        assert case["documents"] > 1 and case["attn_flex_ms"] > 0 and case["block_mask_ms"] > 0
+        assert "overhead_flex_pct" in case and "overhead_bias_pct" in case
+    assert proc.stdout.strip().splitlines()[-1].lstrip().startswith("160")  # the table comes last
 
 
 def _scores_worker() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

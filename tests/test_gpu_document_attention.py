@@ -1,5 +1,7 @@
-"""GPU paths of document-aware attention (decision 1200): the bias kernels (cuDNN, memory-efficient) forward, dense
-and compact backward against the fp64 reference, and the spans computed inside a captured CUDA graph."""
+"""GPU paths of document-aware attention (decisions 1200, 1201): the bias kernels (cuDNN, memory-efficient) and
+FlexAttention (compiled; its dense backward by a recomputed forward, the compact backward by the bias kernels)
+forward, dense and compact backward against the fp64 reference, and the spans and block mask computed inside a
+captured CUDA graph."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ from test_document_attention import EOD, kept_rows, reference
 from test_gpu_cudagraph import one_rank  # noqa: F401 - the one-rank NCCL group fixture
 
 from megasparse.ops import attention as attn
+from megasparse.ops import doc_flex
 from megasparse.ops.attention import attention, rope_tables
 from megasparse.ops.compact import CompactGrad, KeepMeta
-from megasparse.ops.documents import DocSpans
+from megasparse.ops.documents import DocSpans, reference_attention
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -19,6 +22,7 @@ if not torch.cuda.is_available():
 
 S, B, NQ, NKV, D = 1000, 3, 8, 2, 64  # s not a multiple of 8: the bias rows are padded for the kernels
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-3}
+KERNELS = ["bias", "flex"]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,12 +40,13 @@ def window(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return qkv, gout, ids
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dense_matches_reference(dtype):
+def test_dense_matches_reference(dtype, kernel):
     qkv, gout, ids = window(0)
     cos, sin = rope_tables(S, D, 10000.0, "cuda")
     x = qkv.to("cuda", dtype).requires_grad_()
-    y = attention(x, NQ, NKV, cos, sin, docs=DocSpans.from_ids(ids.cuda(), EOD))
+    y = attention(x, NQ, NKV, cos, sin, docs=DocSpans.from_ids(ids.cuda(), EOD, kernel))
     y.backward(gout.to("cuda", dtype))
     xr = qkv.to(dtype).double().requires_grad_()  # the reference from the same rounded inputs
     yr = reference(xr, ids, NQ, NKV)
@@ -52,21 +57,53 @@ def test_dense_matches_reference(dtype):
 def test_bf16_runs_cudnn_with_the_bias_on_hopper():
     """The fast kernel is the one that ran: a failure here means cuDNN refused the bias (the memory-efficient
     kernel then ran, correct but slower: the warning names the reason)."""
-    test_dense_matches_reference(torch.bfloat16)
+    test_dense_matches_reference(torch.bfloat16, "bias")
     if torch.cuda.get_device_capability()[0] >= 9:
         assert attn._CUDNN_BIAS["ok"] and attn._CUDNN["ok"]
 
 
+def test_flex_runs_compiled():
+    """FlexAttention ran (a failure here: a flex call failed and the bias took over; the warning says why)."""
+    test_dense_matches_reference(torch.bfloat16, "flex")
+    assert doc_flex._OK["ok"] and "cuda" in doc_flex._FN
+
+
+def test_flex_at_4096_matches_fp64():
+    """The compiled kernel at a training length (s = 4096, head dim 128, GQA 4:1): forward, natural-log lse and the
+    recomputed backward against fp64; many documents in one sequence, one document in the other."""
+    s, b, nq, nkv, d = 4096, 2, 8, 2, 128
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(10, 50, (s, b), generator=gen)
+    ids[torch.randperm(s, generator=gen)[:20], 0] = EOD
+    docs = DocSpans.from_ids(ids.cuda(), EOD, "flex")
+    q, k, v = (torch.randn(b, h, s, d, generator=gen).cuda().bfloat16() for h in (nq, nkv, nkv))
+    g = torch.randn(b, nq, s, d, generator=gen).cuda().bfloat16()
+    out, lse = doc_flex.flex_forward(q, k, v, docs, d**-0.5)
+    dq, dk, dv = doc_flex.flex_backward(g, q, k, v, docs, d**-0.5)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    allowed = docs.allowed()
+    ref = reference_attention(qr, kr, vr, allowed, d**-0.5)
+    ref.backward(g.double())
+    with torch.no_grad():
+        scores = (qr @ kr.repeat_interleave(nq // nkv, 1).transpose(-1, -2)) * d**-0.5
+        ref_lse = scores.masked_fill_(~allowed, float("-inf")).logsumexp(-1)
+    assert (lse.double() - ref_lse).abs().max().item() < 2e-2  # natural log (base 2 would be off by ×1.44)
+    for got, want in ((out, ref), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert rel(got, want) < TOL[torch.bfloat16]
+    assert doc_flex._OK["ok"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("static", [False, True])
-def test_compact_backward_matches_collider_reference(dtype, static):
+def test_compact_backward_matches_collider_reference(dtype, static, kernel):
     qkv, gout, ids = window(1)
     cos, sin = rope_tables(S, D, 10000.0, "cuda")
     counts = [400] * B if static else [400, 700, 123]
     idx = kept_rows(S, B, counts, torch.Generator().manual_seed(2))
     meta = KeepMeta(idx.cuda(), S * B, batch=B, seq_count=counts[0] if static else None)
     x = qkv.to("cuda", dtype).requires_grad_()
-    y = attention(x, NQ, NKV, cos, sin, docs=DocSpans.from_ids(ids.cuda(), EOD))
+    y = attention(x, NQ, NKV, cos, sin, docs=DocSpans.from_ids(ids.cuda(), EOD, kernel))
     y.backward(CompactGrad(gout.reshape(S * B, -1)[idx].to("cuda", dtype), meta, y.shape))
     keep = torch.zeros(S * B, dtype=torch.bool)
     keep[idx] = True
@@ -76,8 +113,10 @@ def test_compact_backward_matches_collider_reference(dtype, static):
     assert rel(x.grad.rows, xr.grad.reshape(S * B, -1)[idx]) < TOL[dtype]
 
 
-def test_spans_and_attention_replay_in_a_cuda_graph():
-    """Spans built inside the capture from a static ids buffer follow new ids on replay (no host sync)."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_spans_and_attention_replay_in_a_cuda_graph(kernel):
+    """Spans (and flex's block mask) built inside the capture from a static ids buffer follow new ids on replay (no
+    host sync)."""
     _, _, ids = window(2)
     qkv = torch.randn(S, B, (NQ + 2 * NKV) * D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rope_tables(S, D, 10000.0, "cuda")
@@ -86,7 +125,7 @@ def test_spans_and_attention_replay_in_a_cuda_graph():
 
     def run():
         qkv.grad = None
-        y = attention(qkv, NQ, NKV, cos, sin, docs=DocSpans.from_ids(static, EOD))
+        y = attention(qkv, NQ, NKV, cos, sin, docs=DocSpans.from_ids(static, EOD, kernel))
         y.backward(gout)
         return y.detach(), qkv.grad
 
@@ -111,17 +150,20 @@ def test_spans_and_attention_replay_in_a_cuda_graph():
     static.copy_(ids.cuda())
     y_old, _ = run()
     assert rel(y_old[:, 1], y_eager[:, 1]) > 1e-1
+    assert kernel == "bias" or doc_flex._OK["ok"]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("mode", ["dense", "collider"])
 @pytest.mark.usefixtures("one_rank")
-def test_captured_step_equals_eager(mode: str) -> None:
+def test_captured_step_equals_eager(mode: str, kernel: str) -> None:
     """train.cuda_graphs with document attention: the spans are rebuilt from the static ids on every replay, so the
     captured step trains like the eager one (and unlike the step without documents)."""
     from test_document_attention import packed_documents
     from test_gpu_cudagraph import _losses
 
     ov = ["data.prefix=packed-documents", "data.document_attention=true", "train.micro_batch_size=2"]
+    ov += [f"data.document_attention_kernel={kernel}"]
     if mode == "collider":
         ov += ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
     with packed_documents():
@@ -135,3 +177,4 @@ def test_captured_step_equals_eager(mode: str) -> None:
         assert a == pytest.approx(b, rel=2e-3), (graph_l, eager_l, graph_g, eager_g)
     moved = max(abs(a - b) / abs(b) for a, b in zip(plain_l + plain_g, eager_l + eager_g))
     assert moved > 1e-4, "the documents changed nothing"
+    assert kernel == "bias" or doc_flex._OK["ok"], "flex failed: the bias path ran instead"

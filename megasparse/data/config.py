@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from megasparse.configbase import ConfigError
 
@@ -44,6 +45,10 @@ class DataConfig:
     """Keep packed documents apart (Megatron's reset_attention_mask + reset_position_ids): a token attends only to
     earlier tokens of its own document (up to and including the EOD that ends it) and RoPE positions restart at 0
     after each EOD. Costs a [b, s, s] attention bias per micro-batch (docs/documents.md, decision 1200)."""
+    document_attention_kernel: Literal["auto", "flex", "bias"] = "auto"
+    """The training step's kernel for ``document_attention``: ``flex`` (FlexAttention with a block mask: tiles
+    outside the documents skipped; compiled on CUDA, eager and slow on CPU), ``bias`` (an additive s × s mask into
+    cuDNN / the CPU kernel), ``auto`` (flex on CUDA at bf16/fp16, the bias elsewhere). Decision 1201."""
 
     def validate(self) -> None:
         if not 0.0 < self.valid_fraction < 0.5:
@@ -52,6 +57,11 @@ class DataConfig:
             raise ConfigError(
                 "data.document_attention: synthetic data (data.prefix=synthetic) has no documents; use an indexed "
                 "dataset or set data.document_attention=false"
+            )
+        if self.document_attention_kernel == "flex" and not _has_flex():
+            raise ConfigError(
+                "data.document_attention_kernel=flex: this torch has no FlexAttention (torch.nn.attention."
+                "flex_attention); use auto or bias"
             )
         if self.tokenizer_vocab <= 257:
             raise ConfigError(f"data.tokenizer_vocab={self.tokenizer_vocab} must exceed 257 (bytes + EOD)")
@@ -97,6 +107,12 @@ class DataConfig:
                 "(or give prefixes only for equal weights)"
             )
         return [(1.0, p) for p in raw]
+
+
+def _has_flex() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
 def _number(text: str) -> float | None:

@@ -11,8 +11,10 @@ is undone at the tokens' original positions.
 
 With ``docs`` (``data.document_attention``, decision 1200) a token attends only to its own document's earlier
 tokens and RoPE rotates it at its position in the document: the kernels take the mask as an additive bias
-(cuDNN on CUDA, the memory-efficient kernel if cuDNN refuses it, the CPU flash kernel on CPU), and the compact
-backward builds the mask of the kept rows, which keep their document and position.
+(cuDNN on CUDA, the memory-efficient kernel if cuDNN refuses it, the CPU flash kernel on CPU) or, per
+``DocSpans.kernel``, FlexAttention with a block mask (``doc_flex.py``, decision 1201: empty tiles skipped, the dense
+backward by a recomputed flex forward); the compact backward builds the bias of the kept rows, which keep their
+document and position, whichever kernel ran the forward.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 
 import torch
 
+from megasparse.ops import doc_flex
 from megasparse.ops.compact import CompactGrad
 from megasparse.ops.documents import DocSpans, additive_bias
 from megasparse.ops.rope_kernels import rope_into
@@ -228,14 +231,25 @@ class AttentionFn(torch.autograd.Function):
         q, k, v = _rotated(qkv, nq, nkv, cos, sin, docs)
         d = q.shape[-1]
         scale = d**-0.5
-        mask = None if docs is None else _doc_bias(docs, q)
-        out, lse, rng = _flash_fwd(q, k, v, scale, mask)  # k, v keep GQA's nkv heads (saved so: 1/group the memory)
+        flex = docs is not None and doc_flex.chosen(docs.kernel, q)
+        if flex:  # FlexAttention's block mask (decision 1201); a compact backward takes the bias kernels' backward
+            try:
+                out, lse = doc_flex.flex_forward(q, k, v, docs, scale)
+                rng = doc_flex.bias_rng(q, docs)
+            except Exception as e:  # noqa: BLE001 - a compiler's or kernel's failure: the bias path takes over
+                doc_flex.flex_failed(e, q)
+                flex = False
+        if not flex:
+            mask = None if docs is None else _doc_bias(docs, q)
+            out, lse, rng = _flash_fwd(q, k, v, scale, mask)  # k, v keep GQA's nkv heads (saved: 1/group the memory)
         y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        if flex:  # flex writes [b, h, s, d]: y is a copy, and the saved output a view of it (one copy in memory)
+            out = y.view(s, b, nq, d).permute(1, 2, 0, 3)
         if recompute:
             ctx.save_for_backward(qkv, y, lse, cos, sin)
         else:
             ctx.save_for_backward(q, k, v, out, lse, cos, sin)
-        ctx.recompute, ctx.docs = recompute, docs
+        ctx.recompute, ctx.docs, ctx.flex = recompute, docs, flex
         ctx.meta = (nq, nkv, d, scale, rng, qkv.shape, bias is not None)
         return y
 
@@ -270,7 +284,15 @@ class AttentionFn(torch.autograd.Function):
                 dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
                 dqkv = finish(dq, dk, dv, torch.arange(s, device=q.device)).reshape(shape)
             else:
-                dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale, _doc_bias(docs, q))
+                dq = None
+                if ctx.flex and doc_flex.has_backward(q) and doc_flex.chosen(docs.kernel, q):
+                    try:  # the flex forward again under autograd (decision 1201)
+                        dq, dk, dv = doc_flex.flex_backward(go, q, k, v, docs, scale)
+                    except Exception as e:  # noqa: BLE001 - as in the forward: the bias kernels' backward instead
+                        doc_flex.flex_failed(e, q)
+                if dq is None:  # the bias kernels' backward (after a flex forward too: its out and lse are the same)
+                    dq, dk, dv = _flash_bwd(go, q, k, v, out, lse.contiguous(), rng, scale, _doc_bias(docs, q))
+            if docs is not None:
                 dqkv = finish(dq, dk, dv, docs.rope_positions()).reshape(shape)
             return dqkv, None, None, None, None, None, bias_grad(dqkv), None
 

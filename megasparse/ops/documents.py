@@ -32,11 +32,15 @@ class DocSpans:
     """int64 [s, b]: the document each token belongs to, counted from 0 at the window's start (per sequence)."""
     positions: torch.Tensor
     """int64 [s, b]: the token's position in its document (0 at the token after an EOD, or at the window's start)."""
+    kernel: str = "bias"
+    """``data.document_attention_kernel``: ``bias`` (the additive mask), ``flex`` (FlexAttention, ``doc_flex.py``,
+    decision 1201) or ``auto`` (flex on CUDA at bf16/fp16, the bias elsewhere)."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_ids(cls, ids: torch.Tensor, eod: int) -> DocSpans:
-        """Spans of token ids [s, b] whose documents end with ``eod`` (the EOD belongs to the document it ends)."""
+    def from_ids(cls, ids: torch.Tensor, eod: int, kernel: str = "bias") -> DocSpans:
+        """Spans of token ids [s, b] whose documents end with ``eod`` (the EOD belongs to the document it ends);
+        ``kernel``: the attention kernel that reads them (``DocSpans.kernel``)."""
         s = ids.shape[0]
         is_eod = (ids == eod).long()
         segments = is_eod.cumsum(0) - is_eod  # EODs strictly before each token
@@ -45,7 +49,7 @@ class DocSpans:
         after_eod = torch.where(is_eod.bool(), t + 1, torch.zeros_like(t))
         start = torch.cummax(after_eod, 0).values
         start = torch.cat([torch.zeros_like(start[:1]), start[:-1]])
-        return cls(segments, t - start)
+        return cls(segments, t - start, kernel)
 
     def derived(self, key: object, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Memoise something built from these spans (masks, biases) for every layer of the micro-batch."""

@@ -41,6 +41,8 @@ class Components:
     """``train.fp8``: fp8 GEMMs on the block linears (on W ⊙ M under 2:4); copies remade after each step."""
     eod: int | None = None
     """``data.document_attention``: the end-of-document id of the training data (None: attention spans the window)."""
+    doc_kernel: str = "bias"
+    """``data.document_attention_kernel``: the kernel the step's ``DocSpans`` ask for (decision 1201)."""
     chunkflow: ChunkFlowConfig | None = None
     """``chunkflow.enabled``: only its ``capture_blocker`` (the trainer builds the step itself, ``chunk_step``)."""
 
@@ -84,9 +86,8 @@ def build_components(cfg, model, train_ds, vocab: int, device: torch.device, dty
         kept = tf.kept_rows if tf is not None and tf.collider else None
         vocab_pp = VocabOverPP(model, cfg.loss, vocab=vocab, rows=rows, dtype=dtype, kept_rows=kept)
     sharded = DistributedAdamW if cfg.parallel.distributed_optimizer else None
-    return Components(
-        tf, sparsity, vocab_pp, sharded, fp8_from_config(cfg), document_eod(cfg, train_ds), chunkflow=_chunkflow(cfg)
-    )
+    eod, kernel = document_eod(cfg, train_ds), cfg.data.document_attention_kernel
+    return Components(tf, sparsity, vocab_pp, sharded, fp8_from_config(cfg), eod, kernel, chunkflow=_chunkflow(cfg))
 
 
 def document_eod(cfg, train_ds) -> int | None:

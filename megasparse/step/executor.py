@@ -58,6 +58,7 @@ class ForwardBackward:
             dp=dp,
             dp_rank=dp_rank,
             eod=parts.eod,
+            doc_kernel=parts.doc_kernel,
         )
         return cls(cfg, ms, p2p, executor, device)
 

@@ -37,11 +37,14 @@ class MicrobatchStep:
         dp: int,
         dp_rank: int,
         eod: int | None = None,
+        doc_kernel: str = "bias",
     ):
         """``num_mb``: micro-batches per optimizer step on this DP rank; the loss is normalised by the kept (or all)
         tokens of the global batch, ``per micro-batch × num_mb × dp``. ``eod``: the end-of-document id whose
-        documents attention keeps apart (``data.document_attention``; None: off)."""
+        documents attention keeps apart (``data.document_attention``; None: off), ``doc_kernel`` the kernel that does
+        it (``data.document_attention_kernel``, decision 1201)."""
         self.model, self.filter, self.vocab_pp, self.eod = model, token_filter, vocab_pp, eod
+        self.doc_kernel = doc_kernel
         self.tokens_per_mb, self.num_mb, self.dp, self.dp_rank = tokens_per_mb, num_mb, dp, dp_rank
         self.batches: list[Batch] = []
         self.train, self.step, self.filtering, self.normaliser = False, 0, False, 1
@@ -75,7 +78,7 @@ class MicrobatchStep:
         keep, stage = KeepHolder(), self.model.chunks[chunk]  # virtual stages: this rank's chunk `chunk`
         # documents from the whole window's ids, which every stage and TP rank holds; on the device, inside a
         # captured graph too (from its static token buffer)
-        docs = {} if self.eod is None else {"docs": DocSpans.from_ids(batch.ids, self.eod)}
+        docs = {} if self.eod is None else {"docs": DocSpans.from_ids(batch.ids, self.eod, self.doc_kernel)}
         out = stage(ids if stage.first else x, batch.targets, keep, **docs)
         if not stage.last:
             return out

@@ -1,0 +1,153 @@
+"""Document attention with FlexAttention (``data.document_attention_kernel``, decision 1201).
+
+The additive-bias path (decision 1200) computes every s × s score and reads an O(b·s²) bias. FlexAttention takes
+the documents as a block mask instead: ``create_block_mask`` sorts the [s/128]² tiles of each sequence into empty
+(skipped), full (no per-element mask) and partial (the ``mask_mod`` is evaluated inside the kernel), so only the
+tiles on the documents' diagonal blocks are computed. The block mask is built on the device from
+``DocSpans.segments`` (shapes fixed by [s, b]: no host sync, CUDA-graph friendly) and memoised per micro-batch in
+``DocSpans.derived``: every layer shares it.
+
+On CUDA flex_attention and create_block_mask run compiled (``torch.compile``, static shapes, compiled once lazily
+on first use: the trainer's eager warm-up before any capture); on CPU eagerly (flex's unfused reference: it serves
+the CPU tests, which run the same mask, lse and gradient plumbing as the GPU). The dense backward recomputes the
+flex forward under autograd (flex exposes no backward that takes a saved output and lse through public API):
+one extra attention forward, decision 1201. torch has no flex backward on CPU; there the dense backward is the
+CPU kernel's with the bias, fed flex's output and lse (exact: both are the same masked softmax).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from megasparse.ops.documents import DocSpans
+
+__all__ = ["available", "block_mask", "chosen", "flex_backward", "flex_failed", "flex_forward", "has_backward"]
+
+BLOCK = 128
+"""The block mask's tile (flex's default sparse block): the mask_mod's segment table is padded to a multiple."""
+
+_FN: dict[str, Any] = {}
+"""Lazily: the flex module, and on CUDA the compiled flex_attention and create_block_mask (one each per process)."""
+
+
+def _module():
+    if "mod" not in _FN:
+        try:
+            import torch.nn.attention.flex_attention as mod
+        except ImportError:
+            mod = None
+        _FN["mod"] = mod
+    return _FN["mod"]
+
+
+def available() -> bool:
+    """Whether this torch has FlexAttention."""
+    return _module() is not None
+
+
+_OK = {"ok": True}
+"""FlexAttention runs on CUDA until a call of it (its compilation included) fails; then the bias path, one warning."""
+
+
+def flex_failed(e: Exception, q: torch.Tensor) -> None:
+    """A failed flex call on CUDA turns flex off for the process. Re-raised on CPU (tests want to see it) and inside
+    a CUDA-graph capture: the capture fails, ``cudagraph`` says why in one line and stays eager, with flex."""
+    import warnings
+
+    if not q.is_cuda or torch.cuda.is_current_stream_capturing():
+        raise e
+    _OK["ok"] = False
+    warnings.warn(f"megasparse: FlexAttention unavailable ({type(e).__name__}: {e}); using the bias", stacklevel=3)
+
+
+def chosen(kernel: str, q: torch.Tensor) -> bool:
+    """Whether the documents' attention of ``q`` runs on flex: ``flex`` always, ``auto`` on CUDA at bf16/fp16,
+    ``bias`` never; neither after a flex call failed on CUDA (``flex_failed``)."""
+    if not _OK["ok"]:
+        return False
+    if kernel == "flex":
+        return True
+    return kernel == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and available()
+
+
+def has_backward(q: torch.Tensor) -> bool:
+    """Whether torch has a flex backward on ``q``'s device (not on CPU: the bias kernel's backward runs there)."""
+    return q.device.type != "cpu"
+
+
+def _fns(cuda: bool):
+    """(flex_attention, create_block_mask): compiled on CUDA (static shapes), eager on CPU."""
+    mod = _module()
+    if not cuda:
+        return mod.flex_attention, mod.create_block_mask
+    if "cuda" not in _FN:
+        _FN["cuda"] = (
+            torch.compile(mod.flex_attention, dynamic=False),
+            torch.compile(mod.create_block_mask, dynamic=False),
+        )
+    return _FN["cuda"]
+
+
+def block_mask(docs: DocSpans, device: torch.device):
+    """The micro-batch's BlockMask (causal and the same document; B = b, heads broadcast), built once per
+    micro-batch. The segment table is padded to whole tiles so the kernel's reads past s stay in bounds."""
+
+    def build():
+        s, b = docs.segments.shape
+        width = -(-s // BLOCK) * BLOCK
+        seg = docs.segments.new_full((b, width), -1)
+        seg[:, :s] = docs.segments.t()
+
+        def same_document_causal(bi, hi, qi, ki):
+            return (qi >= ki) & (seg[bi, qi] == seg[bi, ki])
+
+        return _fns(device.type == "cuda")[1](same_document_causal, b, None, s, s, device=device)
+
+    return docs.derived(("flex_mask", device.type), build)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float):
+    """(out, lse): lse natural-log [b, h, s] fp32. torch >= 2.9 asks for it with ``return_aux=AuxRequest(lse=True)``,
+    older with ``return_lse=True``; both return the natural logarithm (the kernels keep log2 statistics and the
+    public function rescales them by ln 2; ``tests/test_doc_flex.py`` checks it against an fp64 logsumexp)."""
+    mod, fn = _module(), _fns(q.is_cuda)[0]
+    if "aux" not in _FN:  # asked once: the signature is read on the host
+        _FN["aux"] = "return_aux" in inspect.signature(mod.flex_attention).parameters
+    if _FN["aux"]:
+        out, aux = fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_aux=mod.AuxRequest(lse=True))
+        return out, aux.lse
+    return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
+
+
+def flex_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocSpans, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, h, s, d], lse [b, h, s] fp32, natural log) of attention within documents; k, v at GQA's head
+    count. No autograd graph (inside ``AttentionFn.forward``: v there is a view of the input that requires grad)."""
+    return _flex(q.detach(), k.detach(), v.detach(), block_mask(docs, q.device), scale)
+
+
+def flex_backward(
+    g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocSpans, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (k, v's head count) of the dense backward: the flex forward again under autograd, then its
+    backward with ``g`` (one extra attention forward; the block mask is the forward's, memoised)."""
+    mask = block_mask(docs, q.device)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, _ = _flex(*leaves, mask, scale)
+        return torch.autograd.grad(out, leaves, g)
+
+
+def bias_rng(q: torch.Tensor, docs: DocSpans):
+    """What the bias kernels' backward takes as the forward's random state (dropout is off: zeros), so the compact
+    backward after a flex forward runs the bias path's kernel (cuDNN on CUDA at bf16/fp16, else memory-efficient;
+    None on CPU)."""
+    if not q.is_cuda:
+        return None
+    kind = "cudnn" if q.dtype in (torch.bfloat16, torch.float16) else "efficient"
+    zero = docs.derived(("flex_rng", q.device), lambda: torch.zeros(1, dtype=torch.int64, device=q.device))
+    return kind, zero, zero
