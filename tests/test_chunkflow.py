@@ -306,7 +306,7 @@ def _compare(overrides: list[str], keeps: list[int]) -> dict:
 
     def whole_step() -> tuple[torch.Tensor, int]:
         _, mean = _whole_sequences(ref_tr, seqs)
-        return mean * real, real
+        return (mean * real).to(ref_tr.device), real
 
     ref_tr.compute_gradients = whole_step
     tr.chunkflow.source = _Fixed(seqs)
@@ -497,6 +497,7 @@ def _compare_filtered(scorer: str, mode: str = "loss_mask", keeps=(1,), pack: bo
         tok = max(abs(v.item() - ref[1][s][i].item()) / abs(ref[1][s][i].item()) for (s, i), v in per_tok.items())
         runs[k] = {
             "grad": max(_rel(grads[n], ref[0][n]) for n in ref[0]),
+            "worst": sorted(((_rel(grads[n], ref[0][n]), n) for n in ref[0]), reverse=True)[:4],
             "tok": tok,
             "densified": densified,
             "chunks": work.plan.num_chunks,
