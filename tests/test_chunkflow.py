@@ -317,8 +317,9 @@ def _compare(overrides: list[str], keeps: list[int]) -> dict:
     return out
 
 
-def _compare_packed() -> tuple[float, float, int]:
-    """Short sequences packed several per chunk (document attention keeps them apart), long ones split."""
+def _compare_packed(kernel: str = "bias") -> tuple[float, float, int]:
+    """Short sequences packed several per chunk (document attention keeps them apart, on ``kernel``), long ones
+    split."""
     from megasparse.chunkflow.step import ChunkFlowStep
     from megasparse.train import Trainer
 
@@ -328,7 +329,16 @@ def _compare_packed() -> tuple[float, float, int]:
     ref = _grads(ref_tr)
     tr = Trainer(_config([]))
     tr.chunkflow = ChunkFlowStep(
-        tr.model, _Fixed(seqs), chunk_size=C, per_step=len(seqs), keep=1, dp=1, dp_rank=0, device=tr.device, eod=0
+        tr.model,
+        _Fixed(seqs),
+        chunk_size=C,
+        per_step=len(seqs),
+        keep=1,
+        dp=1,
+        dp_rank=0,
+        device=tr.device,
+        eod=0,
+        doc_kernel=kernel,
     )
     per_tok, _, _, work = _chunked(tr, seqs)
     assert len(per_tok) == sum(len(s) - 1 for s in seqs)
@@ -337,9 +347,10 @@ def _compare_packed() -> tuple[float, float, int]:
     return tok, max(_rel(grads[n], ref[n]) for n in ref), work.plan.num_chunks
 
 
-def test_packed_chunks_with_document_attention_train_like_whole_sequences() -> None:
+@pytest.mark.parametrize("kernel", ["bias", "flex"])
+def test_packed_chunks_with_document_attention_train_like_whole_sequences(kernel: str) -> None:
     pytest.importorskip("megasparse.ops.documents", reason="document attention (issue 30 item 1) not in this tree")
-    (res,) = run_distributed(_compare_packed, 1)
+    (res,) = run_distributed(_compare_packed, 1, kernel)
     tok, grad, chunks = res
     assert chunks < 4 + 2 + 5  # the five short sequences share chunks
     assert tok < 1e-5 and grad < 1e-5, res

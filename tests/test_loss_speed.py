@@ -41,7 +41,22 @@ def test_a_failed_check_keeps_the_memory_rule(monkeypatch):
 
     monkeypatch.setattr(speed, "time_loss", boom)
     impl, why = _decide()
-    assert impl == "materialized" and why.startswith("rule (speed check failed: OutOfMemoryError: CUDA out of memory")
+    assert impl == "materialized"
+    assert why.startswith("rule (speed check failed: materialized: OutOfMemoryError: CUDA out of memory")
+
+
+def test_materialised_logits_that_do_not_fit_choose_cce(monkeypatch):
+    """Whole 8B at micro-batch 2 on an H100: the [8192, 128256] fp32 logits ran out of memory in the check and the
+    old code then kept the memory rule's materialised loss, which ran out of memory in the step."""
+
+    def timer(impl, *a):
+        if impl == "materialized":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+        return 1e-3
+
+    monkeypatch.setattr(speed, "time_loss", timer)
+    impl, why = _decide()
+    assert impl == "cce" and "the materialised loss failed its speed check" in why and "OutOfMemoryError" in why
 
 
 @pytest.mark.parametrize("impl", ["materialized", "cce"])

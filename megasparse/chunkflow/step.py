@@ -56,7 +56,8 @@ class ChunkFlowStep:
     def __init__(self, model, source, *, chunk_size: int, per_step: int, keep: int, dp: int, dp_rank: int,
                  device: torch.device, eod: int | None = None, max_length: int | None = None,
                  p2p: StageComm | None = None, selection: ChunkSelection | None = None,
-                 schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware):  # fmt: skip
+                 schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware,
+                 doc_kernel: str = "bias"):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
@@ -64,14 +65,16 @@ class ChunkFlowStep:
         ``state.run_group``). ``selection``: ``filter.mode=loss_mask`` or ``collider`` over each chunk's real
         tokens. ``schedule``: the pipeline's slot table for (pp, chunks per group, K) (``schedule.py``; decision
         1226); under collider each compact gradient's receive takes its chunk's kept count from the plan and the
-        kept positions cross with a long group's first backward (``state.run_schedule``, decision 1223)."""
+        kept positions cross with a long group's first backward (``state.run_schedule``, decision 1223).
+        ``doc_kernel``: the kernel of a packed chunk's document attention (``data.document_attention_kernel``,
+        decision 1201)."""
         self.schedule = schedule
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
         self.p2p = p2p
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
-        self.pack, self.selection = eod is not None, selection
+        self.pack, self.selection, self.doc_kernel = eod is not None, selection, doc_kernel
         self.seen: int | None = None
         """Real predictions trained so far, over all ranks (counted from the data at the first step: resumes too)."""
         self.last: dict = {}
@@ -80,7 +83,7 @@ class ChunkFlowStep:
 
     def _documents(self, ids: torch.Tensor) -> dict:
         """A packed chunk's documents for the model (document attention: decision 1200's ``DocSpans``)."""
-        return {"docs": DocSpans.from_ids(ids, self.eod)}
+        return {"docs": DocSpans.from_ids(ids, self.eod, self.doc_kernel)}
 
     def batches(self, step: int) -> RankChunks:
         seqs = [np.asarray(t) for _, t in self.source.step_sequences(step, self.per_step)]
@@ -159,6 +162,7 @@ def chunk_step(
         model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
         max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), schedule=pipeline_schedule(cf),
+        doc_kernel=getattr(cfg.data, "document_attention_kernel", "bias"),
     )  # fmt: skip
 
 

@@ -86,18 +86,26 @@ def timed_choice(
         return _CHOICES[key]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return fallback  # not cached: the eager pass after the capture decides
-    failed = ""
-    try:
-        secs = [time_loss(impl, cfg, rows, width, hidden, dtype, device, n_valid) for impl in ("materialized", "cce")]
-    except Exception as e:  # a speed check must never stop a run
-        if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        secs = [math.inf, math.inf]
-    if group is not None:  # every TP rank joins, failed or not; inf from any rank means every rank falls back
+    failed, secs = "", []
+    for impl in ("materialized", "cce"):  # each timed alone: the materialised logits may not fit where cce does
+        try:
+            secs.append(time_loss(impl, cfg, rows, width, hidden, dtype, device, n_valid))
+        except Exception as e:  # a speed check must never stop a run
+            if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            failed = failed or f"{impl}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            secs.append(math.inf)
+    if group is not None:  # every TP rank joins, failed or not; inf from any rank counts on every rank
         both = torch.tensor(secs, dtype=torch.float64, device=device)
         comm.all_reduce(both, group, "tp", op=dist.ReduceOp.MAX, region="loss.speed_check")
         secs = both.tolist()
+    if not math.isfinite(secs[0]) and math.isfinite(secs[1]):  # the materialised loss failed (out of memory)
+        choice = (
+            "cce",
+            f"loss.impl=auto -> cce: the materialised loss failed its speed check ({failed or 'on another TP rank'})",
+        )
+        _CHOICES[key] = choice
+        return choice
     if not all(math.isfinite(x) for x in secs):
         choice = (fallback[0], f"{fallback[1]} (speed check failed: {failed or 'on another TP rank'})")
         _CHOICES[key] = choice

@@ -161,10 +161,11 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
     return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
 
 
-def _aligned_rows(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` [b, h, m] laid out with its rows' stride rounded up to 32 elements on CUDA: the memory-efficient
-    backward refuses an lse whose head stride is not (its forward pads to 32); the CPU kernel takes it as it is."""
-    if not lse.is_cuda:
+def _aligned_rows(lse: torch.Tensor, rng) -> torch.Tensor:
+    """Gathered ``lse`` rows [b, h, m] as the backward kernel that ``rng`` names reads them: the memory-efficient
+    kernel's with the head stride rounded up to 32 elements (it refuses others: its forward pads to 32), every other
+    kernel's contiguous (flash ignores the strides of a padded layout and reads wrong rows: measured on H100)."""
+    if rng is None or rng[0] != "efficient":
         return lse.contiguous()
     b, h, m = lse.shape
     buf = lse.new_zeros(b, h, -(-m // 32) * 32)
@@ -315,7 +316,7 @@ class AttentionFn(torch.autograd.Function):
             "attn_flat", lambda: (pos * b + torch.arange(b, device=pos.device)[:, None]).reshape(-1)
         )
         sub = [_rows_at(t, flat, b, m) for t in (q, k, v, out)]
-        lse_b = _aligned_rows(lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)))
+        lse_b = _aligned_rows(lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)), rng)
         if docs is None:
             dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
             got = finish(dq, dk, dv, pos).reshape(-1, shape[-1])

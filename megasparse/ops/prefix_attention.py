@@ -125,7 +125,7 @@ def _compact_backward(ctx, g: CompactGrad, gk, gv):
     m = pos.numel()
     go = g.rows.reshape(1, m, nq, d).permute(0, 2, 1, 3)
     qs, ks, vs, os_ = (_rows_at(t, pos, 1, m) for t in (q, k, v, out))
-    lse_s = _aligned_rows(lse.index_select(2, pos))
+    lse_s = _aligned_rows(lse.index_select(2, pos), rng)
     # causal over the kept rows' order = causal over their positions (queries and keys are the same rows)
     dq, dk, dv = _flash_bwd(go, qs, ks, vs, os_, lse_s, rng, scale)
     pre = ctx.source.prefix()
