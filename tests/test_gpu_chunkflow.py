@@ -106,18 +106,26 @@ def test_prefix_attention_compact_backward_matches_fp64(monkeypatch, dtype, cudn
 
 
 _BF16_COLLIDER = pytest.mark.xfail(
-    reason="open (issue 30): on an H100 the bf16 collider chunked step's gradients were 0.996 relative off (fp32 "
-    "on CUDA and bf16 on CPU pass); the cause is not found",
+    reason="open (issue 30): on an H100 the bf16 collider chunked step's gradients were 0.996 relative off with "
+    "loss.impl=auto (fp32 on CUDA and bf16 on CPU pass); the cause is not found. The materialized case tells whether "
+    "the loss's GPU compact backward at these tiny shapes (hidden 64, vocabulary 256) is the cause: it was not run",
     strict=False,
 )
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [("fp32", 1e-4), pytest.param("bf16", 3e-2, marks=_BF16_COLLIDER)])
-def test_collider_chunked_step_matches_whole_sequence_collider_on_cuda(dtype: str, tol: float):
+@pytest.mark.parametrize(
+    ("dtype", "tol", "loss"),
+    [
+        ("fp32", 1e-4, "auto"),
+        pytest.param("bf16", 3e-2, "auto", marks=_BF16_COLLIDER),
+        pytest.param("bf16", 3e-2, "materialized", marks=_BF16_COLLIDER),
+    ],
+)
+def test_collider_chunked_step_matches_whole_sequence_collider_on_cuda(dtype: str, tol: float, loss: str):
     from distributed import run_distributed
     from test_chunkflow import _check_filtered, _compare_filtered
 
-    gpu = ("train.device=cuda", f"train.dtype={dtype}", "parallel.backend=nccl")
+    gpu = ("train.device=cuda", f"train.dtype={dtype}", "parallel.backend=nccl", f"loss.impl={loss}")
     (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1, 4), True, gpu)
     _check_filtered(res, tol=tol)
 
