@@ -90,7 +90,7 @@ class Trainer:
         self.forward_backward = ForwardBackward.build(
             cfg, self.model, parts, self.p2p, self.graphs, self.num_mb, self.dp, self.lay.dp_rank, dev
         )
-        self.chunkflow = chunk_step(cfg, self.model, self.vocab, self.dp, self.lay.dp_rank, dev, self.p2p)  # or None
+        self.chunkflow = chunk_step(cfg, self.model, self.vocab, self.dp, self.lay.dp_rank, dev, self.p2p, self.filter)
         self.step = self.consumed = 0
         self.guard = NonFiniteGuard(cfg.train.max_skipped_steps)  # reliability: skip non-finite steps
         self.flops_tok = flops_per_token(cfg.model, self.vocab_padded)

@@ -190,14 +190,17 @@ def test_prefix_attention_compact_backward_matches_collider_reference(s, prefix,
 
 # -- training on chunks equals training each sequence whole --------------------------------------------------------
 class _Fixed:
-    """A sequence source whose every step is ``seqs``."""
+    """A sequence source whose every step is ``seqs`` (``positions``: their ``.bin`` offsets, for a sidecar)."""
 
-    def __init__(self, seqs):
-        self.seqs = seqs
+    def __init__(self, seqs, positions=None):
+        self.seqs, self.positions = seqs, positions
 
     def step_sequences(self, step, n):
         assert n == len(self.seqs)
         return list(enumerate(self.seqs))
+
+    def global_positions(self, g):
+        return None if self.positions is None else self.positions[g]
 
 
 def _config(overrides: list[str]):
@@ -239,10 +242,10 @@ def _whole_sequences(
     return per_seq, total / real
 
 
-def _chunked(tr, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _chunked(tr, seqs, positions=None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The trainer's ChunkFlow step on ``seqs``: per-token losses gathered per sequence (first forwards only)."""
     cf = tr.chunkflow
-    cf.source = _Fixed(seqs)
+    cf.source = _Fixed(seqs, positions)
     stage, got = cf.stage, []
 
     class Recorder(torch.nn.Module):
@@ -461,27 +464,47 @@ def test_chunks_through_the_pipeline_train_like_whole_sequences(whole: dict, wor
             _against_whole(r["grads"], r["weights"], whole)
 
 
-def _compare_filtered(scorer: str, mode: str = "loss_mask", keeps=(1,), pack: bool = False, overrides=()) -> dict:
+def _compare_filtered(
+    scorer: str, mode: str = "loss_mask", keeps=(1,), pack: bool = False, overrides=(), reference: dict | None = None
+) -> dict:
     """Token filtering on chunks (each K of ``keeps``; ``pack``: short sequences packed under document attention)
     against whole sequences trained on the same kept tokens: loss_mask's dense backward, or collider's compact one
-    on both sides (gradients flow only among the kept tokens of each whole sequence)."""
+    on both sides (gradients flow only among the kept tokens of each whole sequence). ``reference`` (excess):
+    ``{"ngram": path}`` through the trainer's own ``filter.reference=ngram``, or ``{"sidecar": losses, "positions":
+    per sequence}`` set on the step; the whole-sequence side reads the same reference for each whole sequence."""
+    from megasparse.chunkflow.filter import ChunkReference, ChunkSelection
     from megasparse.chunkflow.plan import chunk_arrays as arrays_of
     from megasparse.chunkflow.step import ChunkFlowStep
+    from megasparse.filtering.ngram import NgramLM
+    from megasparse.filtering.reference import ReferenceLosses
     from megasparse.ops.compact import densify_count
     from megasparse.train import Trainer
 
-    seqs = _sequences()
+    seqs, reference = _sequences(), reference or {}
     ov = [f"filter.mode={mode}", f"filter.scorer={scorer}", "filter.keep_ratio=0.5", *overrides]
+    positions, whole_ref = reference.get("positions"), None
+    if "ngram" in reference:  # the trainer builds it; the whole side scores each whole document
+        ov += ["filter.reference=ngram", f"filter.ngram_path={reference['ngram']}"]
+        lm = NgramLM.load(reference["ngram"])
+        whole_ref = [torch.from_numpy(lm.stream_losses(s)[1:]).float() for s in seqs]
+    elif "sidecar" in reference:  # synthetic data has no .bin: the test's losses and offsets stand in
+        ov[1] = "filter.scorer=loss"
+        side = reference["sidecar"]
+        whole_ref = [torch.from_numpy(np.where(p[1:] >= 0, side[p[1:]], 0.0)).float() for p in positions]
     runs, ref = {}, None
     for k in keeps:
         tr = Trainer(_config(ov + [f"chunkflow.max_chunks_in_memory={k}"]), init_groups=ref is None)
+        if "sidecar" in reference:
+            tr.chunkflow.reference = ChunkReference(ReferenceLosses(sidecar=reference["sidecar"]))
+            tr.chunkflow.selection = ChunkSelection(0.5, "excess", tr.cfg.train.seed, collider=mode == "collider")
         if pack:
             tr.chunkflow = ChunkFlowStep(
                 tr.model, _Fixed(seqs), chunk_size=C, per_step=len(seqs), keep=k, dp=1, dp_rank=0, device=tr.device,
-                eod=0, selection=tr.chunkflow.selection,
+                eod=0, selection=tr.chunkflow.selection, reference=tr.chunkflow.reference,
             )  # fmt: skip
+        assert (tr.chunkflow.reference is not None) == (scorer == "excess")
         before = densify_count()
-        per_tok, _, _, work = _chunked(tr, seqs)
+        per_tok, _, _, work = _chunked(tr, seqs, positions)
         densified = densify_count() - before
         grads, sel = _grads(tr), tr.chunkflow.selection
         if ref is None:
@@ -491,13 +514,17 @@ def _compare_filtered(scorer: str, mode: str = "loss_mask", keeps=(1,), pack: bo
             for c in [c for g in work.groups for c in g.chunks]:
                 _, labels, starts = arrays_of(c, seqs, C)
                 out = torch.zeros(C, device=tr.device)  # (random scores: the chunk's generator is on its device)
+                rc = None if whole_ref is None else torch.zeros(C)
                 for p, at in zip(c.pieces, starts):
                     out[at : at + p.count - 1] = per_seq[p.seq][p.start : p.start + p.count - 1]
-                w = sel.weights(out, labels, c, 0).cpu()
+                    if rc is not None:
+                        rc[at : at + p.count - 1] = whole_ref[p.seq][p.start : p.start + p.count - 1]
+                w = sel.weights(out, labels, c, 0, rc).cpu()
                 real = torch.from_numpy(labels) != IGNORE
                 assert w[~real].sum() == 0  # padding is never kept
-                if scorer == "loss" and w[real].sum() < real.sum():  # the hardest real tokens of the chunk
-                    assert out[real & (w == 1)].min() >= out[real & (w == 0)].max()
+                score = out.cpu() - (0 if rc is None else rc)  # loss: the hardest; excess: the most learnable
+                if scorer != "random" and w[real].sum() < real.sum():
+                    assert score[real & (w == 1)].min() >= score[real & (w == 0)].max()
                 for p, at in zip(c.pieces, starts):
                     for i in range(p.count - 1):
                         weights[(p.seq, p.start + i)] = w[at + i].item()
@@ -565,6 +592,92 @@ def test_collider_on_chunks_tp2_pp2_sp() -> None:
         for v, r in zip(variants, rank):
             assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5, v
             assert r["densified"] == 0, v
+
+
+# -- excess-loss selection on chunks (decision 1227) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ngram_file(tmp_path_factory) -> str:
+    """A trigram model fitted on the step's sequences and a few more (token 0 ends a document)."""
+    from megasparse.filtering.ngram import NgramLM
+
+    path = tmp_path_factory.mktemp("ngram") / "ngram.npz"
+    stream = np.concatenate(_sequences() + _sequences(seed=1))
+    NgramLM.fit(stream, 250, order=3, eod_id=0).save(path)
+    return str(path)
+
+
+def _sidecar() -> dict:
+    """Random reference losses over a stand-in ``.bin`` holding the step's documents in another order with gaps;
+    sequence 1's end-of-document was appended (offset -1, as ``SequenceDataset.positions`` marks it)."""
+    rng = np.random.default_rng(7)
+    at, positions = 3, [None] * len(LENGTHS)
+    for i in rng.permutation(len(LENGTHS)):
+        positions[i] = np.arange(at, at + LENGTHS[i])
+        at += LENGTHS[i] + int(rng.integers(0, 4))
+    positions[1][-1] = -1
+    return {"sidecar": (rng.random(at + 2) * 6).astype(np.float32), "positions": positions}
+
+
+@pytest.mark.parametrize(
+    ("source", "mode", "keeps", "pack"),
+    [("sidecar", "loss_mask", (1,), False), ("ngram", "collider", (1, 4), True)],
+    ids=["sidecar-loss_mask", "ngram-collider-packed"],
+)
+def test_excess_on_chunks_equals_whole_sequence_excess(ngram_file, source, mode, keeps, pack) -> None:
+    """Rho-1's excess loss on chunks: each chunk's labels take the reference of their whole document (the sidecar
+    at their ``.bin`` offsets; the n-gram model with the document's earlier tokens as context, across chunk
+    boundaries) and the kept tokens, losses and gradients equal whole sequences trained on the same selection."""
+    pytest.importorskip("megasparse.ops.documents", reason="document attention (issue 30 item 1) not in this tree")
+    ref = _sidecar() if source == "sidecar" else {"ngram": ngram_file}
+    (res,) = run_distributed(_compare_filtered, 1, "excess", mode, keeps, pack, (), ref)
+    _check_filtered(res)
+
+
+@pytest.mark.slow
+def test_excess_on_chunks_sidecar_collider_tp2_sp() -> None:
+    """tp 2 + SP: every TP rank reads the same reference, so all agree on the kept rows."""
+    sp = ("parallel.tp=2", "parallel.sequence_parallel=true")
+    for res in run_distributed(_compare_filtered, 2, "excess", "collider", (1,), False, sp, _sidecar()):
+        _check_filtered(res)
+
+
+@pytest.mark.slow
+def test_excess_on_chunks_through_the_pipeline(ngram_file) -> None:
+    """pp 2: the last stage scores the reference and selects (the first stage builds none); the kept positions
+    cross as under any collider scorer and the gradients equal whole-sequence excess collider (one process)."""
+    (ref,) = run_distributed(_compare_filtered, 1, "excess", "collider", (1,), False, (), {"ngram": ngram_file})
+    ov = ["filter.mode=collider", "filter.scorer=excess", "filter.keep_ratio=0.5", "filter.reference=ngram"]
+    ov += [f"filter.ngram_path={ngram_file}", "parallel.pp=2"]
+    variants = [["chunkflow.max_chunks_in_memory=1"], ["chunkflow.max_chunks_in_memory=4"]]
+    for rank in run_distributed(_pipeline_steps, 2, ov, variants):
+        for v, r in zip(variants, rank):
+            assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5, v
+            assert r["densified"] == 0, v
+
+
+def test_ngram_reference_of_a_later_chunk_is_the_whole_documents(ngram_file) -> None:
+    """A long sequence's later chunk scores its labels with the document's earlier tokens as n-gram context (what
+    scoring the whole document alone gives); the chunk's own tokens as the context (the mutation) would differ."""
+    from megasparse.chunkflow.filter import ChunkReference
+    from megasparse.filtering.ngram import NgramLM
+    from megasparse.filtering.reference import ReferenceLosses
+
+    lm = NgramLM.load(ngram_file)
+    ref = ChunkReference(ReferenceLosses(ngram=lm))
+    seqs = _sequences()
+    plan = plan_step([len(s) for s in seqs], C, 1, pack=True)
+    long = next(g for g in plan.groups if len(g.chunks) == 4)
+    seq = long.chunks[0].pieces[0].seq
+    whole = torch.from_numpy(lm.stream_losses(seqs[seq])[1:]).float()
+    scored = {seq: ref.sequence(seqs[seq], None)}
+    for c in long.chunks[1:]:
+        p = c.pieces[0]
+        got = ChunkReference.chunk(c, scored, C)
+        torch.testing.assert_close(got[: p.count - 1], whole[p.start : p.start + p.count - 1], rtol=0, atol=0)
+        assert (got[p.count - 1 :] == 0).all()  # padding
+        tokens = torch.from_numpy(chunk_arrays(c, seqs, C)[0])
+        alone = ReferenceLosses(ngram=lm)(tokens[:-1], tokens[1:])  # the mutation: the chunk scored on its own
+        assert not torch.allclose(alone[:2], got[:2])  # the chunk's first labels lose their real context
 
 
 # -- the pipeline schedule (pure Python) -------------------------------------------------------------------------------
@@ -703,7 +816,9 @@ def test_saved_activations_follow_k_not_the_chunk_count() -> None:
         (["train.micro_batch_size=2"], "set train.micro_batch_size=1"),
         (["parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=4"], "parallel.virtual_stages > 1"),
         (["parallel.pp=2", "loss.vocab_over_pp=true"], "loss.vocab_over_pp"),
-        (["filter.mode=loss_mask", "filter.scorer=excess"], "filter.scorer=excess"),
+        (["filter.mode=loss_mask", "filter.scorer=excess", "filter.reference=model"], "sidecar .* or use filter.refe"),
+        (["filter.mode=collider", "filter.scorer=excess", "filter.reference=sidecar"], None),
+        (["filter.mode=loss_mask", "filter.scorer=excess", "filter.reference=ngram"], None),
         (["model.recompute=full"], "model.recompute=full"),
         (["chunkflow.max_sequence_length=1"], "max_sequence_length=1 must be >= 2"),
         (["chunkflow.pipeline_schedule=zb"], "use state_aware or gpipe"),

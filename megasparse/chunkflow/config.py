@@ -83,8 +83,10 @@ class ChunkFlowConfig:
             (p.virtual_stages > 1, "parallel.virtual_stages > 1 (chunks run the plain pipeline order; set it to 1)"),
             (cfg.loss.vocab_over_pp, "loss.vocab_over_pp (a lock-step schedule; set loss.vocab_over_pp=false)"),
             (
-                cfg.filter.mode != "off" and cfg.filter.scorer == "excess",
-                "filter.scorer=excess (reference losses are not aligned with chunks; use filter.scorer=loss or random)",
+                cfg.filter.mode != "off" and cfg.filter.scorer == "excess" and cfg.filter.reference == "model",
+                "filter.reference=model (the reference model would need its own chunked prefix state across a "
+                "sequence's chunks; score a sidecar with `megasparse ref score` and use filter.reference=sidecar, "
+                "or use filter.reference=ngram)",
             ),
             (
                 m.recompute == "full",

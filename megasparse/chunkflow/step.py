@@ -7,7 +7,8 @@ chunks forward in order, backward in reverse) and returns the summed per-token l
 step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
 is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask`` or ``collider``), known
 on every rank from the plan: no collective. Under collider the kept rows also go to the loss layer (``KeepHolder``),
-so the chunk's backward is compact, across chunk boundaries too (decision 1223).
+so the chunk's backward is compact, across chunk boundaries too (decision 1223). ``filter.scorer=excess`` scores each
+of the rank's sequences whole with the reference on the last stage, once per step (decision 1227).
 
 On one stage the order is group by group (all chunks of one sequence forward, then backward in reverse). Under
 pp > 1 every stage runs its row of a slot table (``schedule.py``: by default the state-aware 1F1B, where the
@@ -26,7 +27,7 @@ import torch
 
 from megasparse.chunkflow.config import sequence_limit
 from megasparse.chunkflow.data import sequence_source
-from megasparse.chunkflow.filter import ChunkSelection
+from megasparse.chunkflow.filter import ChunkReference, ChunkSelection
 from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.schedule import Schedule, gpipe_per_group, state_aware
 from megasparse.chunkflow.state import ChunkKV, run_group, run_schedule
@@ -44,6 +45,8 @@ class RankChunks:
     plan: StepPlan
     groups: list[Group]
     sequences: list[np.ndarray]
+    positions: list[np.ndarray | None] | None = None
+    """The sequences' ``.bin`` offsets (``SequenceDataset.global_positions``), read for a sidecar reference."""
 
     def __len__(self) -> int:
         """Backward passes of this rank's step: one per chunk (a rerun chunk's forward is not one)."""
@@ -57,7 +60,7 @@ class ChunkFlowStep:
                  device: torch.device, eod: int | None = None, max_length: int | None = None,
                  p2p: StageComm | None = None, selection: ChunkSelection | None = None,
                  schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware,
-                 doc_kernel: str = "bias"):  # fmt: skip
+                 doc_kernel: str = "bias", reference: ChunkReference | None = None):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
@@ -67,14 +70,14 @@ class ChunkFlowStep:
         1226); under collider each compact gradient's receive takes its chunk's kept count from the plan and the
         kept positions cross with a long group's first backward (``state.run_schedule``, decision 1223).
         ``doc_kernel``: the kernel of a packed chunk's document attention (``data.document_attention_kernel``,
-        decision 1201)."""
+        decision 1201). ``reference``: the excess scorer's reference losses (the last stage's; decision 1227)."""
         self.schedule = schedule
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
         self.p2p = p2p
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
-        self.pack, self.selection, self.doc_kernel = eod is not None, selection, doc_kernel
+        self.pack, self.selection, self.doc_kernel, self.reference = eod is not None, selection, doc_kernel, reference
         self.seen: int | None = None
         """Real predictions trained so far, over all ranks (counted from the data at the first step: resumes too)."""
         self.last: dict = {}
@@ -86,16 +89,19 @@ class ChunkFlowStep:
         return {"docs": DocSpans.from_ids(ids, self.eod, self.doc_kernel)}
 
     def batches(self, step: int) -> RankChunks:
-        seqs = [np.asarray(t) for _, t in self.source.step_sequences(step, self.per_step)]
+        read = self.source.step_sequences(step, self.per_step)
+        seqs = [np.asarray(t) for _, t in read]
         plan = plan_step([len(t) for t in seqs], self.c, self.dp, self.pack, self.max_length)
-        return RankChunks(plan, plan.rank_groups(self.dp_rank), seqs)
+        where = getattr(self.source, "global_positions", None) if self.reference is not None else None
+        positions = None if where is None else [where(g) for g, _ in read]
+        return RankChunks(plan, plan.rank_groups(self.dp_rank), seqs, positions)
 
     def __call__(self, work: RankChunks, train: bool, step_no: int) -> tuple[torch.Tensor, float]:
         assert train, "ChunkFlow steps train; evaluation runs the fixed-length path"
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         plan, sel = work.plan, self.selection
         kept = plan.real_tokens if sel is None else sel.kept(plan)
-        fwds = [self._forward(g, work.sequences, loss_sum, max(kept, 1), step_no) for g in work.groups]
+        fwds = [self._forward(g, work, loss_sum, max(kept, 1), step_no) for g in work.groups]
         if self.p2p is None:
             for group, fwd in zip(work.groups, fwds):
                 run_group(fwd, [c.offset for c in group.chunks], self.c, self.keep)
@@ -117,13 +123,24 @@ class ChunkFlowStep:
             self.last["real_kept_share"] = kept / max(plan.real_tokens, 1)
         return loss_sum, work.plan.real_tokens / self.dp
 
-    def _forward(self, group: Group, sequences: list[np.ndarray], loss_sum: torch.Tensor, normaliser: int, step: int):
+    def _forward(self, group: Group, work: RankChunks, loss_sum: torch.Tensor, normaliser: int, step: int):
         """``state.Forward`` of ``group``'s chunks on this stage (``kv`` None: a chunk with no earlier chunks)."""
+        sequences = work.sequences
         arrays = [chunk_arrays(c, sequences, self.c) for c in group.chunks]
         ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
         targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
         packed = len(group.chunks) == 1 and self.pack  # whole documents from position 0: no state to carry
-        stage, chosen = self.stage, {}
+        stage, chosen, scored = self.stage, {}, {}
+
+        def reference(j: int) -> torch.Tensor | None:
+            """Chunk j's reference losses (excess), each of the group's sequences scored whole once."""
+            if self.reference is None:
+                return None
+            for p in group.chunks[j].pieces:
+                if p.seq not in scored:
+                    at = None if work.positions is None else work.positions[p.seq]
+                    scored[p.seq] = self.reference.sequence(sequences[p.seq], at)
+            return ChunkReference.chunk(group.chunks[j], scored, self.c)
 
         def forward(j: int, x: torch.Tensor | None, kv: ChunkKV | None, first: bool) -> torch.Tensor:
             ctx = self._documents(ids[j]) if packed else ({} if kv is None else {"kv": kv})
@@ -136,7 +153,7 @@ class ChunkFlowStep:
             sel = self.selection
             if sel is not None:  # only the kept real tokens train
                 if j not in chosen:  # a rerun keeps the first forward's tokens (the later chunks trained on them)
-                    chosen[j] = sel.rows(out, arrays[j][1], group.chunks[j], step)
+                    chosen[j] = sel.rows(out, arrays[j][1], group.chunks[j], step, reference(j))
                 rows = chosen[j]
                 if sel.collider:  # the compact backward from the loss layer on (decision 1223)
                     keep.meta = KeepMeta(rows, out.numel(), 1, seq_count=rows.numel())
@@ -149,20 +166,23 @@ class ChunkFlowStep:
 
 
 def chunk_step(
-    cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.device, p2p: StageComm | None = None
+    cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.device, p2p: StageComm | None = None, tf=None
 ) -> ChunkFlowStep | None:
     """The run's ChunkFlow step, or None when ``chunkflow.enabled`` is off. Short sequences are packed several per
-    chunk under ``data.document_attention``, else take a chunk each (decision 1221)."""
+    chunk under ``data.document_attention``, else take a chunk each (decision 1221). ``tf``: the run's
+    ``TokenFilter`` (or None), whose reference source the excess scorer reads (the last stage's; decision 1227)."""
     cf = cfg.chunkflow
     if not cf.enabled:
         return None
     source = sequence_source(cfg, vocab)
+    reference = getattr(tf, "reference", None)
     eod = source.eod_id if getattr(cfg.data, "document_attention", False) else None
     return ChunkFlowStep(
         model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
         max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), schedule=pipeline_schedule(cf),
         doc_kernel=getattr(cfg.data, "document_attention_kernel", "bias"),
+        reference=None if reference is None else ChunkReference(reference),
     )  # fmt: skip
 
 

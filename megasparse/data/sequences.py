@@ -118,6 +118,10 @@ class SequenceDataset:
         epoch, k = divmod(g, len(self))
         return int(self.epoch_order(epoch, seed)[k])
 
+    def global_positions(self, g: int, seed: int | None = None) -> np.ndarray:
+        """``.bin`` offsets of the ``g``-th sequence's tokens (:meth:`positions`): where a sidecar's losses sit."""
+        return self.positions(self.global_index(g, seed))
+
     def global_sequence(self, g: int, seed: int | None = None) -> np.ndarray:
         """Tokens of the ``g``-th sequence of the endless stream."""
         return self.sequence(self.global_index(g, seed))
