@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_distributed
+from test_filtering_trainer import corpus, overrides  # noqa: F401  (the indexed corpus with its sidecar)
 from tiny import TRAINING, tiny
 
 from megasparse.chunkflow.data import LongTailSequences
@@ -653,6 +654,35 @@ def test_excess_on_chunks_through_the_pipeline(ngram_file) -> None:
         for v, r in zip(variants, rank):
             assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5, v
             assert r["densified"] == 0, v
+
+
+def _sidecar_on_a_corpus(ov: list[str], sidecar: str, prefix: str) -> dict:
+    """The trainer's ChunkFlow step over an indexed corpus with its sidecar: each sequence's reference losses against
+    the sidecar read by hand at its documents' ``.bin`` offsets, then one optimizer step."""
+    from megasparse.filtering.sidecar import open_sidecar
+    from megasparse.train import Trainer
+
+    tr = Trainer(load_config(None, ov))
+    cf, side = tr.chunkflow, np.asarray(open_sidecar(sidecar, prefix), dtype=np.float32)
+    work, tokens = cf.batches(0), np.asarray(cf.source.indexed.tokens)
+    appended = 0
+    for seq, pos in zip(work.sequences, work.positions):
+        on_bin = pos >= 0
+        assert (tokens[pos[on_bin]] == seq[on_bin]).all()  # the offsets are the sequence's own tokens
+        expect = np.where(pos[1:] >= 0, side[np.maximum(pos[1:], 0)], 0.0)
+        assert np.array_equal(cf.reference.sequence(seq, pos).numpy(), expect)
+        appended += int((~on_bin).sum())
+    r = tr.train_step()
+    return {"appended": appended, "loss": r.loss, "long": max(len(s) for s in work.sequences), "last": cf.last}
+
+
+def test_excess_on_chunks_reads_the_sidecar_of_the_corpus(corpus) -> None:  # noqa: F811  (the fixture)
+    """Through ``megasparse train``'s own wiring: the sidecar of an indexed corpus (documents without a final EOD:
+    the appended one has no ``.bin`` offset and reference 0) at each whole sequence's offsets, and a step trains."""
+    ov = overrides(corpus, "sidecar", ["train.micro_batch_size=1", "chunkflow.enabled=true", "filter.keep_ratio=0.5"])
+    (res,) = run_distributed(_sidecar_on_a_corpus, 1, ov, corpus["sidecar"], corpus["prefix"])
+    assert res["appended"] == 8 and res["long"] > C + 1 and np.isfinite(res["loss"])
+    assert 0.5 <= res["last"]["real_kept_share"] < 0.6
 
 
 def test_ngram_reference_of_a_later_chunk_is_the_whole_documents(ngram_file) -> None:
