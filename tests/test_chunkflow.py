@@ -2,8 +2,9 @@
 chunk's prefix attention (dense and Collider's compact backward) equals its plain-torch reference; training on chunks
 (K = 1 and K = all) gives the same per-token losses, gradients and optimizer step as training each sequence whole,
 at tp 1, tp 2 + SP and dp 2, and so does token filtering on chunks (loss_mask; collider against whole-sequence
-collider on the same kept tokens, also at tp 2 × pp 2 + SP); the activations kept follow K, not the number of
-chunks; bad configs are one line.
+collider on the same kept tokens, also at tp 2 × pp 2 + SP; excess selection with the sidecar and n-gram references
+against whole-sequence excess, decision 1227); the activations kept follow K, not the number of chunks; bad configs
+are one line.
 
 Why this file is long: one whole-sequence reference machinery (``_whole_sequences``, ``_chunked``, ``_grads``)
 serves every layout and filter mode; split up, each file would import it from the other."""
