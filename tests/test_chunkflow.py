@@ -597,15 +597,18 @@ def test_collider_on_chunks_tp2_pp2_sp() -> None:
 
 
 # -- excess-loss selection on chunks (decision 1227) ----------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ngram_file(tmp_path_factory) -> str:
-    """A trigram model fitted on the step's sequences and a few more (token 0 ends a document)."""
+def fit_ngram(path) -> str:
+    """A trigram model fitted on the step's sequences and a few more (token 0 ends a document), saved at ``path``."""
     from megasparse.filtering.ngram import NgramLM
 
-    path = tmp_path_factory.mktemp("ngram") / "ngram.npz"
     stream = np.concatenate(_sequences() + _sequences(seed=1))
     NgramLM.fit(stream, 250, order=3, eod_id=0).save(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def ngram_file(tmp_path_factory) -> str:
+    return fit_ngram(tmp_path_factory.mktemp("ngram") / "ngram.npz")
 
 
 def _sidecar() -> dict:

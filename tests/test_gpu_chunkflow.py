@@ -1,6 +1,7 @@
 """ChunkFlow on CUDA: the prefix attention's kernels (cuDNN bf16/fp16, flash bf16, memory-efficient fp32) against
 the fp64 reference (the dense backward and Collider's compact one), and a chunked step against whole sequences on
-one GPU (bf16 and fp32; with collider too) and through a two-GPU pipeline (fp32, NCCL; with collider too)."""
+one GPU (bf16 and fp32; with collider too, and excess selection) and through a two-GPU pipeline (fp32, NCCL; with
+collider too)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,18 @@ def test_collider_chunked_step_matches_whole_sequence_collider_on_cuda(dtype: st
     gpu = ("train.device=cuda", f"train.dtype={dtype}", "parallel.backend=nccl", f"loss.impl={loss}")
     (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1, 4), True, gpu)
     _check_filtered(res, tol=tol)
+
+
+@pytest.mark.parametrize("source", ["sidecar", "ngram"])
+def test_excess_collider_chunked_step_matches_whole_sequence_excess_on_cuda(source: str, tmp_path):
+    """Excess selection (decision 1227): the host-scored reference crosses to the GPU per chunk, fp32."""
+    from distributed import run_distributed
+    from test_chunkflow import _check_filtered, _compare_filtered, _sidecar, fit_ngram
+
+    ref = _sidecar() if source == "sidecar" else {"ngram": fit_ngram(tmp_path / "ngram.npz")}
+    gpu = ("train.device=cuda", "train.dtype=fp32", "parallel.backend=nccl")
+    (res,) = run_distributed(_compare_filtered, 1, "excess", "collider", (1, 4), True, gpu, ref)
+    _check_filtered(res, tol=1e-4)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [("fp32", 1e-4), ("bf16", 3e-2)])
