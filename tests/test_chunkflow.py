@@ -625,8 +625,8 @@ def _sidecar() -> dict:
 
 @pytest.mark.parametrize(
     ("source", "mode", "keeps", "pack"),
-    [("sidecar", "loss_mask", (1,), False), ("ngram", "collider", (1, 4), True)],
-    ids=["sidecar-loss_mask", "ngram-collider-packed"],
+    [("sidecar", "loss_mask", (1,), False), ("ngram", "loss_mask", (1,), False), ("ngram", "collider", (1, 4), True)],
+    ids=["sidecar-loss_mask", "ngram-loss_mask", "ngram-collider-packed"],
 )
 def test_excess_on_chunks_equals_whole_sequence_excess(ngram_file, source, mode, keeps, pack) -> None:
     """Rho-1's excess loss on chunks: each chunk's labels take the reference of their whole document (the sidecar
