@@ -122,12 +122,13 @@ def test_auto_keeps_the_bias_on_cpu():
 
 @pytest.mark.usefixtures("flex_backward_on_cpu")
 def test_packed_window_equals_documents_alone_with_flex_tp1(monkeypatch):
-    """The trainer with ``data.document_attention_kernel=flex`` (flex forward, the GPU's recomputed-flex dense
-    backward; the compact backward after it; under the full layer checkpoint) trains each document as if alone."""
+    """The trainer with ``data.document_attention_kernel=flex`` (the GPU's dense backward through the forward's kept
+    flex graph, decision 1202; the compact backward after it; under the full layer checkpoint the recomputed-flex
+    backward) trains each document as if alone."""
     from distributed import run_distributed
     from test_document_attention import COLLIDER, assert_documents_alone, packed_run
 
-    calls = {"forward": 0, "backward": 0}
+    calls = {"forward": 0, "backward": 0, "forward_graph": 0}
     for name in calls:
         fn = getattr(doc_flex, f"flex_{name}")
 
@@ -139,7 +140,7 @@ def test_packed_window_equals_documents_alone_with_flex_tp1(monkeypatch):
     flex = ["data.document_attention_kernel=flex"]
     runs = [flex, flex + COLLIDER, flex + ["model.recompute=full"]]
     dense, collider, full = run_distributed(packed_run, 1, runs)[0]
-    assert calls["forward"] > 0 and calls["backward"] > 0, calls
+    assert calls["forward"] > 0 and calls["backward"] > 0 and calls["forward_graph"] > 0, calls
     assert_documents_alone([dense], False)
     assert_documents_alone([collider], True)
     assert_documents_alone([full], False)

@@ -53,6 +53,7 @@ class Attention(nn.Module):
         d = cfg.head_dim
         self.nq, self.nkv = cfg.num_attention_heads // pg.tp, cfg.kv_heads // pg.tp
         self.recompute = cfg.recompute == "selective"  # rotated q/k rebuilt in the backward (decision 0012)
+        self.keep_graph = cfg.recompute == "none"  # flex's graph kept fwd -> bwd (decision 1202)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         kw = dict(seed=seed, device=device, sequence_parallel=sp, compute_dtype=dtype, pg=pg)
         parts = [cfg.num_attention_heads * d, cfg.kv_heads * d, cfg.kv_heads * d]
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         bias = None if self.qkv_bias is None else self.qkv_bias.to(qkv.dtype)
         if kv is not None:
             return self.proj(kv.attend(layer, qkv, self.nq, self.nkv, cos, sin, bias))
-        return self.proj(attention(qkv, self.nq, self.nkv, cos, sin, self.recompute, bias, docs))
+        return self.proj(attention(qkv, self.nq, self.nkv, cos, sin, self.recompute, bias, docs, self.keep_graph))
 
 
 class SwiGLUMLP(nn.Module):

@@ -9,12 +9,12 @@ sequence, the same backward kernel on the kept queries/keys/values only, with th
 output and log-sum-exp rows of the kept queries: gradients flow only among kept tokens, and RoPE
 is undone at the tokens' original positions.
 
-With ``docs`` (``data.document_attention``, decision 1200) a token attends only to its own document's earlier
-tokens and RoPE rotates it at its position in the document: the kernels take the mask as an additive bias
-(cuDNN on CUDA, the memory-efficient kernel if cuDNN refuses it, the CPU flash kernel on CPU) or, per
-``DocSpans.kernel``, FlexAttention with a block mask (``doc_flex.py``, decision 1201: empty tiles skipped, the dense
-backward by a recomputed flex forward); the compact backward builds the bias of the kept rows, which keep their
-document and position, whichever kernel ran the forward.
+With ``docs`` (``data.document_attention``, decision 1200) a token attends only to its own document's earlier tokens and
+RoPE rotates it at its position in the document: the kernels take the mask as an additive bias (cuDNN on CUDA, the
+memory-efficient kernel if cuDNN refuses it, the CPU flash kernel on CPU) or, per ``DocSpans.kernel``, FlexAttention
+with a block mask (``doc_flex.py``, decision 1201: empty tiles skipped; the dense backward through the forward's kept
+flex graph, decision 1202, or under recompute a recomputed flex forward); the compact backward builds the bias of the
+kept rows, which keep their document and position, whichever kernel ran the forward.
 """
 
 from __future__ import annotations
@@ -221,11 +221,14 @@ class AttentionFn(torch.autograd.Function):
         recompute: bool = False,
         bias: torch.Tensor | None = None,
         docs: DocSpans | None = None,
+        keep_graph: bool = False,
     ):
         """``recompute`` (``model.recompute=selective``, decision 0012): save qkv, the output and the lse only, and
         rotate q and k again in the backward. The output is the projection's saved input anyway (the same storage
         under cuDNN), so rerunning the flash forward would free nothing more. ``bias`` (Qwen2's q/k/v biases) is
-        added before RoPE; its gradient is dqkv summed over tokens. ``docs``: attention within documents."""
+        added before RoPE; its gradient is dqkv summed over tokens. ``docs``: attention within documents.
+        ``keep_graph``: on the flex path, keep flex's autograd graph for the dense backward (decision 1202; the
+        caller says a gradient is wanted and no recompute runs, ``doc_flex.keeps_graph`` checks the rest)."""
         if bias is not None:
             qkv = qkv + bias
         s, b, _ = qkv.shape
@@ -233,9 +236,14 @@ class AttentionFn(torch.autograd.Function):
         d = q.shape[-1]
         scale = d**-0.5
         flex = docs is not None and doc_flex.chosen(docs.kernel, q)
+        ctx.graph = None  # flex's (leaves, output) under autograd, for the dense backward (decision 1202)
         if flex:  # FlexAttention's block mask (decision 1201); a compact backward takes the bias kernels' backward
             try:
-                out, lse = doc_flex.flex_forward(q, k, v, docs, scale)
+                if not recompute and doc_flex.keeps_graph(q, keep_graph):
+                    out, lse, leaves, out_graph = doc_flex.flex_forward_graph(q, k, v, docs, scale)
+                    ctx.graph = (leaves, out_graph)  # not saved tensors: no hook may be active (keeps_graph)
+                else:
+                    out, lse = doc_flex.flex_forward(q, k, v, docs, scale)
                 rng = doc_flex.bias_rng(q, docs)
             except Exception as e:  # noqa: BLE001 - a compiler's or kernel's failure: the bias path takes over
                 doc_flex.flex_failed(e, q)
@@ -244,7 +252,7 @@ class AttentionFn(torch.autograd.Function):
             mask = None if docs is None else _doc_bias(docs, q)
             out, lse, rng = _flash_fwd(q, k, v, scale, mask)  # k, v keep GQA's nkv heads (saved: 1/group the memory)
         y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
-        if flex:  # flex writes [b, h, s, d]: y is a copy, and the saved output a view of it (one copy in memory)
+        if flex:  # flex lays its output out like q ([s, b, h, d] rows): y is a view of it; the saved output too
             out = y.view(s, b, nq, d).permute(1, 2, 0, 3)
         if recompute:
             ctx.save_for_backward(qkv, y, lse, cos, sin)
@@ -259,6 +267,7 @@ class AttentionFn(torch.autograd.Function):
         nq, nkv, d, scale, rng, shape, has_bias = ctx.meta
         s, b, _ = shape
         docs: DocSpans | None = ctx.docs
+        graph, ctx.graph = ctx.graph, None  # the kept flex graph goes with this backward, whichever path it takes
         if ctx.recompute:
             qkv, y, lse, cos, sin = ctx.saved_tensors
             q, k, v = _rotated(qkv, nq, nkv, cos, sin, docs)
@@ -287,16 +296,20 @@ class AttentionFn(torch.autograd.Function):
             else:
                 dq = None
                 if ctx.flex and doc_flex.has_backward(q) and doc_flex.chosen(docs.kernel, q):
-                    try:  # the flex forward again under autograd (decision 1201)
-                        dq, dk, dv = doc_flex.flex_backward(go, q, k, v, docs, scale)
+                    try:  # the forward's flex graph (decision 1202), else the flex forward again (decision 1201)
+                        if graph is not None:
+                            dq, dk, dv = torch.autograd.grad(graph[1], graph[0], go)
+                        else:
+                            dq, dk, dv = doc_flex.flex_backward(go, q, k, v, docs, scale)
                     except Exception as e:  # noqa: BLE001 - as in the forward: the bias kernels' backward instead
                         doc_flex.flex_failed(e, q)
                 if dq is None:  # the bias kernels' backward (after a flex forward too: its out and lse are the same)
                     dq, dk, dv = _flash_bwd(go, q, k, v, out, lse.contiguous(), rng, scale, _doc_bias(docs, q))
             if docs is not None:
                 dqkv = finish(dq, dk, dv, docs.rope_positions()).reshape(shape)
-            return dqkv, None, None, None, None, None, bias_grad(dqkv), None
+            return dqkv, None, None, None, None, None, bias_grad(dqkv), None, None
 
+        del graph  # the compact backward takes the bias kernel with the forward's out and lse (decision 1201)
         # One batched kernel over the micro-batch: each sequence's kept positions, padded at the end to the
         # longest. Padded queries get a zero output gradient, so they add nothing to any real dq/dk/dv, and
         # causal order keeps real queries off the padded keys: exact, whatever the per-sequence counts.
@@ -327,10 +340,10 @@ class AttentionFn(torch.autograd.Function):
             got = finish(dq, dk, dv, doc_pos).reshape(-1, shape[-1])
         db = bias_grad(got)  # padded queries' rows are zeros: they add nothing
         if in_order:
-            return CompactGrad(got, g.meta, shape), None, None, None, None, None, db, None
+            return CompactGrad(got, g.meta, shape), None, None, None, None, None, db, None, None
         rows = g.rows.new_empty(k_rows + padded, shape[-1])  # with padding, the last row takes (and drops) it
         rows.index_copy_(0, sel.t().reshape(-1), got)
-        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None, None, db, None
+        return CompactGrad(rows[:k_rows], g.meta, shape), None, None, None, None, None, db, None, None
 
 
 def attention(
@@ -342,8 +355,13 @@ def attention(
     recompute: bool = False,
     bias: torch.Tensor | None = None,
     docs: DocSpans | None = None,
+    keep_graph: bool = True,
 ) -> torch.Tensor:
     """Causal GQA attention of this rank's [q | k | v] heads. ``recompute``: rotate q and k again in the backward
     instead of saving them; ``bias`` ([(nq + 2·nkv)·d]) is added before RoPE; ``docs``: each token attends within
-    its document only, rotated at its position in it (``data.document_attention``)."""
-    return AttentionFn.apply(qkv, nq, nkv, cos, sin, recompute, bias, docs)
+    its document only, rotated at its position in it (``data.document_attention``). ``keep_graph=False``: the
+    caller recomputes the layer (``model.recompute=full``), so flex's dense backward reruns its forward instead of
+    keeping its graph (decision 1202)."""
+    wants_grad = qkv.requires_grad or (bias is not None and bias.requires_grad)
+    keep_graph = keep_graph and docs is not None and torch.is_grad_enabled() and wants_grad
+    return AttentionFn.apply(qkv, nq, nkv, cos, sin, recompute, bias, docs, keep_graph)

@@ -9,10 +9,13 @@ tiles on the documents' diagonal blocks are computed. The block mask is built on
 
 On CUDA flex_attention and create_block_mask run compiled (``torch.compile``, static shapes, compiled once lazily
 on first use: the trainer's eager warm-up before any capture); on CPU eagerly (flex's unfused reference: it serves
-the CPU tests, which run the same mask, lse and gradient plumbing as the GPU). The dense backward recomputes the
-flex forward under autograd (flex exposes no backward that takes a saved output and lse through public API):
-one extra attention forward, decision 1201. torch has no flex backward on CPU; there the dense backward is the
-CPU kernel's with the bias, fed flex's output and lse (exact: both are the same masked softmax).
+the CPU tests, which run the same mask, lse and gradient plumbing as the GPU). flex exposes no backward that takes
+a saved output and lse through public API, so its dense backward goes through autograd (decision 1202): the
+forward runs flex under autograd on detached leaves of q, k, v and ``AttentionFn`` keeps that graph for the
+backward (``flex_forward_graph``), unless recompute is on or a saved-tensor hook is active (``keeps_graph``:
+tensors held by the graph would escape the checkpoint); then the backward reruns the flex forward under autograd
+(``flex_backward``: one extra attention forward, decision 1201). torch has no flex backward on CPU; there the dense
+backward is the CPU kernel's with the bias, fed flex's output and lse (exact: both are the same masked softmax).
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ import torch
 
 from megasparse.ops.documents import DocSpans
 
-__all__ = ["available", "block_mask", "chosen", "flex_backward", "flex_failed", "flex_forward", "has_backward"]
+__all__ = [
+    "available",
+    "block_mask",
+    "chosen",
+    "flex_backward",
+    "flex_failed",
+    "flex_forward",
+    "flex_forward_graph",
+    "has_backward",
+    "keeps_graph",
+]
 
 BLOCK = 128
 """The block mask's tile (flex's default sparse block): the mask_mod's segment table is padded to a multiple."""
@@ -140,6 +153,40 @@ def flex_backward(
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out, _ = _flex(*leaves, mask, scale)
         return torch.autograd.grad(out, leaves, g)
+
+
+def hooks_active() -> bool:
+    """Whether a saved-tensor hook is active (the full layer checkpoint's, the recompute of it in the backward, an
+    offload hook): tensors held outside ``save_for_backward`` would escape it. torch has no public query; if its
+    private one is missing, assume a hook is active (the recompute route is always safe)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(False) is not None
+    except (TypeError, RuntimeError):
+        return True
+
+
+def keeps_graph(q: torch.Tensor, allowed: bool) -> bool:
+    """Whether the flex forward keeps its autograd graph for the backward (decision 1202): ``allowed`` (the caller
+    needs a gradient and runs no recompute: ``model.recompute=none``), torch has a flex backward on ``q``'s device,
+    and no saved-tensor hook is active."""
+    return allowed and has_backward(q) and not hooks_active()
+
+
+def flex_forward_graph(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocSpans, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+    """(out, lse, leaves, out_graph): as ``flex_forward``, run under autograd on detached leaves of q, k, v (views:
+    no copies). ``out`` is ``out_graph`` detached (the same storage); ``torch.autograd.grad(out_graph, leaves, g)``
+    is the dense backward without a second forward. The graph holds the leaves, the output and flex's own (log2)
+    lse; ``lse`` (natural log) is a detached [b, h, s] fp32 tensor for the compact backward."""
+    mask = block_mask(docs, q.device)
+    with torch.enable_grad():
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        out, lse = _flex(*leaves, mask, scale)
+    return out.detach(), lse.detach(), leaves, out
 
 
 def bias_rng(q: torch.Tensor, docs: DocSpans):
