@@ -93,6 +93,60 @@ def test_flex_at_4096_matches_fp64():
     assert doc_flex._OK["ok"]
 
 
+def _flex_counts(monkeypatch) -> dict[str, int]:
+    """Counts of flex forward runs (``_flex``: every route), kept graphs and recomputed-flex backwards."""
+    calls = {"_flex": 0, "flex_forward_graph": 0, "flex_backward": 0}
+    for name in calls:
+        fn = getattr(doc_flex, name)
+
+        def counted(*a, fn=fn, name=name):
+            calls[name] += 1
+            return fn(*a)
+
+        monkeypatch.setattr(doc_flex, name, counted)
+    return calls
+
+
+def test_flex_kept_graph_at_4096(monkeypatch):
+    """Decision 1202 at a training length (s = 4096, bf16, head dim 128, GQA 4:1): the dense backward through the
+    forward's kept graph runs one flex forward per fwd + bwd (the recompute route two), gives the recompute route's
+    gradients, and holds no copy of q, k, v or the output (y is a view of flex's output; what the forward leaves
+    allocated exceeds the recompute route's by at most a few [b, h, s] fp32 rows: flex's own lse)."""
+    s, b, nq, nkv, d = 4096, 2, 8, 2, 128
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(10, 50, (s, b), generator=gen)
+    ids[torch.randperm(s, generator=gen)[:20], 0] = EOD
+    docs = DocSpans.from_ids(ids.cuda(), EOD, "flex")
+    cos, sin = rope_tables(s, d, 10000.0, "cuda")
+    x = torch.randn(s, b, (nq + 2 * nkv) * d, generator=gen).cuda().bfloat16().requires_grad_()
+    gout = torch.randn(s, b, nq * d, generator=gen).cuda().bfloat16()
+
+    def step(keep_graph: bool):
+        x.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = attention(x, nq, nkv, cos, sin, docs=docs, keep_graph=keep_graph)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before  # what the forward leaves for the backward, y included
+        kept = y.grad_fn.graph
+        same = kept is not None and kept[1].untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+        del kept
+        y.backward(gout)
+        return x.grad.clone(), held, same
+
+    for keep_graph in (True, False):  # compile and warm up both routes (and the block mask)
+        step(keep_graph)
+    calls = _flex_counts(monkeypatch)
+    g_graph, held_graph, same = step(True)
+    assert calls == {"_flex": 1, "flex_forward_graph": 1, "flex_backward": 0}, calls
+    g_recompute, held_recompute, _ = step(False)
+    assert calls == {"_flex": 3, "flex_forward_graph": 1, "flex_backward": 1}, calls
+    assert same, "y is a copy of flex's output: the kept graph holds a second output"
+    assert held_graph - held_recompute <= 4 * b * nq * s * 4, (held_graph, held_recompute)
+    assert rel(g_graph, g_recompute.double()) < 1e-2
+    assert doc_flex._OK["ok"]
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("static", [False, True])
@@ -154,11 +208,13 @@ def test_spans_and_attention_replay_in_a_cuda_graph(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("mode", ["dense", "collider"])
+@pytest.mark.parametrize("mode", ["dense", "collider", "dense-full"])
 @pytest.mark.usefixtures("one_rank")
-def test_captured_step_equals_eager(mode: str, kernel: str) -> None:
+def test_captured_step_equals_eager(mode: str, kernel: str, monkeypatch) -> None:
     """train.cuda_graphs with document attention: the spans are rebuilt from the static ids on every replay, so the
-    captured step trains like the eager one (and unlike the step without documents)."""
+    captured step trains like the eager one (and unlike the step without documents). With flex the forward's kept
+    graph feeds the dense backward inside the capture (decision 1202); under ``model.recompute=full`` the backward
+    reruns the flex forward instead."""
     from test_document_attention import packed_documents
     from test_gpu_cudagraph import _losses
 
@@ -166,6 +222,9 @@ def test_captured_step_equals_eager(mode: str, kernel: str) -> None:
     ov += [f"data.document_attention_kernel={kernel}"]
     if mode == "collider":
         ov += ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
+    if mode == "dense-full":
+        ov += ["model.recompute=full"]
+    calls = _flex_counts(monkeypatch)
     with packed_documents():
         eager_l, eager_g, used = _losses(ov + ["train.cuda_graphs=false"])
         assert not used
@@ -178,3 +237,7 @@ def test_captured_step_equals_eager(mode: str, kernel: str) -> None:
     moved = max(abs(a - b) / abs(b) for a, b in zip(plain_l + plain_g, eager_l + eager_g))
     assert moved > 1e-4, "the documents changed nothing"
     assert kernel == "bias" or doc_flex._OK["ok"], "flex failed: the bias path ran instead"
+    if kernel == "flex" and mode == "dense-full":
+        assert calls["flex_forward_graph"] == 0 and calls["flex_backward"] > 0, calls
+    elif kernel == "flex":
+        assert calls["flex_forward_graph"] > 0 and calls["flex_backward"] == 0, calls
