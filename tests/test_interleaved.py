@@ -228,3 +228,13 @@ def test_resume_with_virtual_stages(tmp_path):
     assert first == full[:2]
     for a, b in zip(rest, full[2:], strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), (rest, full)
+
+
+def test_replay_times_transfers_and_names_a_deadlock():
+    """The simulators' shared loop: a receive waits for its send's clock; two ranks that both receive first hang."""
+    from megasparse.parallel.rendezvous import replay
+
+    streams = [[("F", 0), [("send", (0, 1), "a")]], [[("recv", (0, 1), "a")], ("F", 0)]]
+    assert replay(streams, lambda r, op, have: 1.0 + r, "toy") == ([1.0, 3.0], [1.0, 2.0])
+    with pytest.raises(AssertionError, match=r"deadlock: ranks \[0, 1\] wait \(toy\)"):
+        replay([[[("recv", (1, 0), "x")]], [[("recv", (0, 1), "y")]]], lambda r, op, have: 1.0, "toy")

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from megasparse.parallel.rendezvous import Links
+from megasparse.parallel.rendezvous import replay
 
 ChunkId = tuple[int, int]
 """(group, chunk index in the group), the group's index in the rank's list."""
@@ -296,55 +296,35 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
             if t < T and s.slots[r][t] is not None:
                 ev.append(s.slots[r][t])
         streams.append(ev)
-    links = Links()
-    pos = [0] * P
-    have: list[set] = [set() for _ in range(P)]
     fdone: list[set] = [set() for _ in range(P)]
     bdone: list[set] = [set() for _ in range(P)]
     graphs = [0] * P
     seq_graphs: list[dict[int, int]] = [{} for _ in range(P)]
     peak = [0] * P
-    clock, busy = [0.0] * P, [0.0] * P
-    while True:
-        moved = False
-        for r in range(P):
-            while pos[r] < len(streams[r]):
-                ev = streams[r][pos[r]]
-                if isinstance(ev, tuple):  # a compute op
-                    _check_op(s, r, ev, have[r], fdone[r], bdone[r])
-                    kind, c = ev
-                    g = c[0]
-                    t_f, t_b, t_rerun = times
-                    dt = t_f if kind == "F" else t_b + (0.0 if s.kept(c) else t_rerun)
-                    clock[r] += dt
-                    busy[r] += dt
-                    if kind == "F":
-                        fdone[r].add(c)
-                        if s.kept(c):
-                            graphs[r] += 1
-                            seq_graphs[r][g] = seq_graphs[r].get(g, 0) + 1
-                    else:
-                        bdone[r].add(c)
-                        held = 0 if s.kept(c) else 1  # a rerun's graph lives through its B slot
-                        peak[r] = max(peak[r], graphs[r] + held)
-                        assert seq_graphs[r].get(g, 0) + held <= s.keep, f"stage {r}: group {g} holds more than K"
-                        if s.kept(c):
-                            graphs[r] -= 1
-                            seq_graphs[r][g] -= 1
-                    peak[r] = max(peak[r], graphs[r])
-                    assert max(seq_graphs[r].values(), default=0) <= s.keep, f"stage {r}: K broken at {ev}"
-                else:
-                    got = links.meet(r, ev, clock[r])
-                    if got is None:
-                        break  # a peer has not posted its side yet
-                    clock[r], received = got
-                    have[r].update(received)
-                pos[r] += 1
-                moved = True
-        if not moved:
-            break
-    stuck = [r for r in range(P) if pos[r] < len(streams[r])]
-    assert not stuck, f"deadlock: stages {stuck} wait (pp={P}, groups={s.sizes}, K={s.keep})"
+    t_f, t_b, t_rerun = times
+
+    def compute(r: int, op: Op, have: set) -> float:
+        _check_op(s, r, op, have, fdone[r], bdone[r])
+        kind, c = op
+        g = c[0]
+        if kind == "F":
+            fdone[r].add(c)
+            if s.kept(c):
+                graphs[r] += 1
+                seq_graphs[r][g] = seq_graphs[r].get(g, 0) + 1
+        else:
+            bdone[r].add(c)
+            held = 0 if s.kept(c) else 1  # a rerun's graph lives through its B slot
+            peak[r] = max(peak[r], graphs[r] + held)
+            assert seq_graphs[r].get(g, 0) + held <= s.keep, f"stage {r}: group {g} holds more than K"
+            if s.kept(c):
+                graphs[r] -= 1
+                seq_graphs[r][g] -= 1
+        peak[r] = max(peak[r], graphs[r])
+        assert max(seq_graphs[r].values(), default=0) <= s.keep, f"stage {r}: K broken at {op}"
+        return t_f if kind == "F" else t_b + (0.0 if s.kept(c) else t_rerun)
+
+    clock, busy = replay(streams, compute, f"pp={P}, groups={s.sizes}, K={s.keep}")
     for r in range(P):
         assert len(fdone[r]) == len(bdone[r]) == total == len(s.order(r)) / 2, f"stage {r} misses chunks"
     makespan = max(clock)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from megasparse.parallel.rendezvous import Links
+from megasparse.parallel.rendezvous import replay
 
 Key = tuple[int, int]
 """(chunk, micro-batch)."""
@@ -165,35 +165,16 @@ def simulate(
                 (later if two_phase else ops).append(("recv", (nxt, r), ("rows",) + st.recv_bwd))
             out += [ops] + ([later] if later else [])
         batches.append(out)
-    links = Links()
-    pos, clock, busy = [0] * P, [0.0] * P, [0.0] * P
-    have: list[set] = [set() for _ in range(P)]  # labels received
-    while True:
-        moved = False
-        for r in range(P):
-            while pos[r] < len(batches[r]):
-                st = batches[r][pos[r]]
-                if isinstance(st, Compute):
-                    key = (st.chunk, st.mb)
-                    if st.kind == "F" and not (r == 0 and st.chunk == 0):
-                        assert ("act",) + key in have[r], f"rank {r}: F{key} before its input arrived"
-                    if st.kind == "B" and not (r == P - 1 and st.chunk == chunks - 1):
-                        assert ("rows",) + key in have[r], f"rank {r}: B{key} before its gradient arrived"
-                    dt = t_f if st.kind == "F" else t_b
-                    clock[r] += dt
-                    busy[r] += dt
-                else:
-                    got = links.meet(r, st, clock[r])
-                    if got is None:
-                        break  # a peer has not posted the matching op yet
-                    clock[r], received = got
-                    have[r].update(received)
-                pos[r] += 1
-                moved = True
-        if not moved:
-            break
-    stuck = [r for r in range(P) if pos[r] < len(batches[r])]
-    assert not stuck, f"deadlock: ranks {stuck} wait (pp={P}, chunks={chunks}, micro-batches={num_mb})"
+
+    def compute(r: int, st: Compute, have: set) -> float:
+        key = (st.chunk, st.mb)
+        if st.kind == "F" and not (r == 0 and st.chunk == 0):
+            assert ("act",) + key in have, f"rank {r}: F{key} before its input arrived"
+        if st.kind == "B" and not (r == P - 1 and st.chunk == chunks - 1):
+            assert ("rows",) + key in have, f"rank {r}: B{key} before its gradient arrived"
+        return t_f if st.kind == "F" else t_b
+
+    clock, busy = replay(batches, compute, f"pp={P}, chunks={chunks}, micro-batches={num_mb}")
     return max(clock), busy
 
 

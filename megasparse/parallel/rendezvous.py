@@ -1,11 +1,14 @@
 """Simulated blocking transfers for the pipeline-schedule simulators (``interleaved.simulate``,
 ``chunkflow/schedule.simulate``): a rank posts a batch of sends and receives, and the batch completes once every
 peer has posted its side. Both ends must name the same label in the same order on each link; the batch finishes at
-the latest of the ranks' clocks. Pure Python, no torch.distributed."""
+the latest of the ranks' clocks. ``replay`` runs every rank's stream of compute ops and transfer batches against the
+others. Pure Python, no torch.distributed."""
 
 from __future__ import annotations
 
-__all__ = ["Links"]
+from collections.abc import Callable
+
+__all__ = ["Links", "replay"]
 
 _OTHER = {"send": "recv", "recv": "send"}
 
@@ -39,3 +42,37 @@ class Links:
                 received.append(label)
         del self._waiting[rank]
         return done, received
+
+
+def replay(
+    streams: list[list], compute: Callable[[int, object, set], float], what: str
+) -> tuple[list[float], list[float]]:
+    """Each rank's stream run against the others: (clock, busy time) per rank. An event that is a list is a batch of
+    ``(kind, channel, label)`` transfers (``Links.meet``: the rank waits until every peer posted its side); any other
+    event is a compute op, ``compute(rank, op, labels received so far)`` checks it and returns its duration. Raises
+    AssertionError when the ranks deadlock (``what`` names the schedule in the message)."""
+    ranks = len(streams)
+    links, pos = Links(), [0] * ranks
+    clock, busy = [0.0] * ranks, [0.0] * ranks
+    have: list[set] = [set() for _ in range(ranks)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(ranks):
+            while pos[r] < len(streams[r]):
+                ev = streams[r][pos[r]]
+                if isinstance(ev, list):
+                    got = links.meet(r, ev, clock[r])
+                    if got is None:
+                        break  # a peer has not posted its side yet
+                    clock[r], received = got
+                    have[r].update(received)
+                else:
+                    dt = compute(r, ev, have[r])
+                    clock[r] += dt
+                    busy[r] += dt
+                pos[r] += 1
+                moved = True
+    stuck = [r for r in range(ranks) if pos[r] < len(streams[r])]
+    assert not stuck, f"deadlock: ranks {stuck} wait ({what})"
+    return clock, busy
