@@ -256,9 +256,10 @@ def add_ratios(cases: list[dict]) -> None:
 
 
 def format_table(rep: dict) -> str:
-    head = f"{'mode':<14} {'S':>6} {'G':>5} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} "
-    head += f"{'mem GiB':>8} "
-    head += f"{'vs mcore':>9} {'vs padded':>9} {'mem/S0':>7}"
+    head = (
+        f"{'mode':<14} {'S':>6} {'G':>5} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} {'mem GiB':>8} "
+        f"{'vs mcore':>9} {'vs padded':>9} {'mem/S0':>7}"
+    )
     lines = [f"chunkflow | {rep['device']} | {rep['layout']}: {rep['shape']}", *rep["data_lines"], head]
     lines.append("-" * len(head))
     for c in rep["cases"]:
@@ -271,14 +272,14 @@ def format_table(rep: dict) -> str:
 
         lines.append(
             f"{c['mode']:<14} {c['max_length']:>6} {c['global_batch_size']:>5} {c['step_ms']:9.1f} "
-            f"{c['real_tokens_per_s']:11.0f} "
-            f"{c['real_tokens_per_s_per_gpu']:9.0f} {100 * c['padding_share']:7.1f}% {f('mem_gib', '8.2f')} "
-            f"{f('vs_mcore_fixed', '9.3f')} {f('vs_padded', '9.3f')} {f('mem_vs_first_length', '7.3f')}"
+            f"{c['real_tokens_per_s']:11.0f} {c['real_tokens_per_s_per_gpu']:9.0f} {100 * c['padding_share']:7.1f}% "
+            f"{f('mem_gib', '8.2f')} {f('vs_mcore_fixed', '9.3f')} {f('vs_padded', '9.3f')} "
+            f"{f('mem_vs_first_length', '7.3f')}"
         )
     lines.append(
         "G: sequences (windows for packing) per step; real tok/s: non-padding input tokens per second, all GPUs; "
-        "vs: real tokens/s over that mode's at the same S "
-        "(> 1: faster); mem/S0: peak memory over the same mode's at the first S"
+        "vs: real tokens/s over that mode's at the same S (> 1: faster); mem/S0: peak memory over the same mode's at "
+        "the first S"
     )
     return "\n".join(lines)
 
