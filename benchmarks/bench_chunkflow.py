@@ -119,17 +119,16 @@ def mode_overrides(mode: str, a: argparse.Namespace, batch: int | None = None) -
     }[mode]
 
 
-def chunkflow_batch(a: argparse.Namespace, cfg, vocab: int, dp: int) -> int | None:
+def chunkflow_batch(a: argparse.Namespace, cfg, lengths, dp: int) -> int | None:
     """Sequences per ChunkFlow step: ``--chunkflow-batch``; 0 (default): as many as hold the tokens of one
     ``padded`` step (G windows of S) on average, a multiple of the DP size, so both modes take optimizer steps of
     the same size and ChunkFlow's pipeline gets as many chunks per step as packing gets windows' worth; -1: the
-    layout's global batch (as ``mcore-fixed``)."""
+    layout's global batch (as ``mcore-fixed``). ``lengths``: the training sequences' lengths."""
     if a.chunkflow_batch > 0:
         return a.chunkflow_batch
     if a.chunkflow_batch < 0:
         return None
-    train, _, _ = build_sequence_datasets(cfg.data, cfg.model.seq_length, vocab)
-    mean = max(1.0, float(train.lengths.mean()))
+    mean = max(1.0, float(lengths.mean()))
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     return max(dp, round(tokens / mean / dp) * dp)
 
@@ -319,8 +318,9 @@ def plan(a: argparse.Namespace, lay: dict, world: int) -> list[dict]:
         base_cfg, base_ov = _config(a, lay, prefix, s, [])
         base_cfg.validate(world)
         modes = a.modes if i == 0 else [m for m in a.longer_modes if m in a.modes]
+        train, _, _ = build_sequence_datasets(base_cfg.data, s, vocab)  # read once: the batch and the report
         dp = world // (base_cfg.parallel.tp * base_cfg.parallel.pp)
-        batch = chunkflow_batch(a, base_cfg, vocab, dp) if "chunkflow" in modes else None
+        batch = chunkflow_batch(a, base_cfg, train.lengths, dp) if "chunkflow" in modes else None
         cfgs, unavailable = {}, {}
         for m in modes:
             if m == "chunkflow" and not a.chunk_size:
@@ -332,7 +332,7 @@ def plan(a: argparse.Namespace, lay: dict, world: int) -> list[dict]:
             except ConfigError as e:
                 unavailable[m] = f"not available: {e}"
         runs.append(dict(S=s, vocab=vocab, prefix=prefix, base=base_cfg, base_ov=base_ov, modes=modes, cfgs=cfgs,
-                         unavailable=unavailable))  # fmt: skip
+                         unavailable=unavailable, train=train))  # fmt: skip
     return runs
 
 
@@ -377,7 +377,7 @@ def run(a: argparse.Namespace) -> int:
         s, unavailable = run_["S"], dict(run_["unavailable"])
         if MCORE in run_["cfgs"] and not cuda:
             unavailable[MCORE] = "not available: needs CUDA (megatron-core's anchor synchronises the GPU)"
-        train, _, _ = build_sequence_datasets(run_["base"].data, s, run_["vocab"])
+        train = run_["train"]
         d = length_report(train.lengths, s)
         gen = {"generator": "megasparse data longtail", "docs": a.docs, "seed": a.data_seed, "data": run_["prefix"]}
         rep["distributions"][str(s)] = {**gen, **d}
