@@ -25,6 +25,10 @@ Modes, each on the same data and model, every rank in the same process group:
   document that straddles a window boundary is trained as two pieces.
 * ``padded/causal``: the same windows with plain causal attention (what document attention costs; not in the
   default list).
+* ``padded/selective``, ``padded/full``: ``padded`` with ``model.recompute`` selective or full, what packing needs
+  to fit once S outgrows memory (not in the default list; e.g. ``--longer-modes padded/selective,chunkflow``).
+  ``vs_padded`` compares with the fastest of ``padded`` and these two at the same S (``padded_ref`` names it): a
+  user packs with the least recompute that fits, and ChunkFlow should beat that, not an out-of-memory row.
 * ``chunkflow``: megasparse with ChunkFlow (``chunkflow.enabled``, ``chunkflow.chunk_size``,
   ``chunkflow.max_chunks_in_memory``, ``chunkflow.sequences_in_flight`` = ``--in-flight``): see
   :func:`chunkflow_overrides`. Its step takes as many whole sequences as hold one ``padded`` step's tokens on
@@ -88,7 +92,8 @@ LAYOUTS: dict[str, dict] = {
     "cpu_tiny": dict(config="configs/cpu_toy.yaml", ranks=1, overrides=_TINY, max_length=128, docs=1500),
 }
 MODES = ("mcore-fixed", "padded", "chunkflow")
-EXTRA_MODES = ("padded/causal",)
+EXTRA_MODES = ("padded/causal", "padded/selective", "padded/full")
+PACKED = ("padded", "padded/selective", "padded/full")  # packing with document attention: vs_padded's reference
 MCORE = "mcore-fixed"
 
 
@@ -114,6 +119,8 @@ def mode_overrides(mode: str, a: argparse.Namespace, batch: int | None = None) -
     return {
         MCORE: [],
         "padded": ["data.document_attention=true"],
+        "padded/selective": ["data.document_attention=true", "model.recompute=selective"],
+        "padded/full": ["data.document_attention=true", "model.recompute=full"],
         "padded/causal": [],
         "chunkflow": chunkflow_overrides(a, batch) if a.chunk_size else [],
     }[mode]
@@ -239,16 +246,19 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
 
 
 def add_ratios(cases: list[dict]) -> None:
-    """Each timed row's real tokens/s over ``mcore-fixed``'s and ``padded``'s at the same S (> 1: more real tokens
-    per second), and its peak memory over the same mode's at the first S (``mem_vs_first_length``: ChunkFlow's
-    should stay near 1 when S doubles)."""
+    """Each timed row's real tokens/s over ``mcore-fixed``'s and over the fastest packing row's (``PACKED``, named
+    in ``padded_ref``) at the same S (> 1: more real tokens per second), and its peak memory over the same mode's
+    at the first S (``mem_vs_first_length``: ChunkFlow's should stay near 1 when S doubles)."""
     timed = [c for c in cases if "error" not in c]
     first_s = timed[0]["max_length"] if timed else None
     by = {(c["mode"], c["max_length"]): c for c in timed}
     for c in timed:
-        for ref, key in ((MCORE, "vs_mcore_fixed"), ("padded", "vs_padded")):
-            r = by.get((ref, c["max_length"]))
-            c[key] = c["real_tokens_per_s"] / r["real_tokens_per_s"] if r else None
+        r = by.get((MCORE, c["max_length"]))
+        c["vs_mcore_fixed"] = c["real_tokens_per_s"] / r["real_tokens_per_s"] if r else None
+        packed = [x for x in timed if x["mode"] in PACKED and x["max_length"] == c["max_length"]]
+        r = max(packed, key=lambda x: x["real_tokens_per_s"], default=None)
+        c["vs_padded"] = c["real_tokens_per_s"] / r["real_tokens_per_s"] if r else None
+        c["padded_ref"] = r["mode"] if r else None
         r = by.get((c["mode"], first_s))
         ok = r is not None and r is not c and c["mem_gib"] is not None and r["mem_gib"]
         c["mem_vs_first_length"] = c["mem_gib"] / r["mem_gib"] if ok else None
@@ -256,29 +266,29 @@ def add_ratios(cases: list[dict]) -> None:
 
 def format_table(rep: dict) -> str:
     head = (
-        f"{'mode':<14} {'S':>6} {'G':>5} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} {'mem GiB':>8} "
+        f"{'mode':<16} {'S':>6} {'G':>5} {'step ms':>9} {'real tok/s':>11} {'/GPU':>9} {'padding':>8} {'mem GiB':>8} "
         f"{'vs mcore':>9} {'vs padded':>9} {'mem/S0':>7}"
     )
     lines = [f"chunkflow | {rep['device']} | {rep['layout']}: {rep['shape']}", *rep["data_lines"], head]
     lines.append("-" * len(head))
     for c in rep["cases"]:
         if "error" in c:
-            lines.append(f"{c['mode']:<14} {c['max_length']:>6} {c['error'][:110]}")
+            lines.append(f"{c['mode']:<16} {c['max_length']:>6} {c['error'][:110]}")
             continue
 
         def f(key, spec, c=c):
             return bt.cell(c, key, spec)
 
         lines.append(
-            f"{c['mode']:<14} {c['max_length']:>6} {c['global_batch_size']:>5} {c['step_ms']:9.1f} "
+            f"{c['mode']:<16} {c['max_length']:>6} {c['global_batch_size']:>5} {c['step_ms']:9.1f} "
             f"{c['real_tokens_per_s']:11.0f} {c['real_tokens_per_s_per_gpu']:9.0f} {100 * c['padding_share']:7.1f}% "
             f"{f('mem_gib', '8.2f')} {f('vs_mcore_fixed', '9.3f')} {f('vs_padded', '9.3f')} "
             f"{f('mem_vs_first_length', '7.3f')}"
         )
     lines.append(
         "G: sequences (windows for packing) per step; real tok/s: non-padding input tokens per second, all GPUs; "
-        "vs: real tokens/s over that mode's at the same S (> 1: faster); mem/S0: peak memory over the same mode's at "
-        "the first S"
+        "vs: real tokens/s over that mode's at the same S (> 1: faster; padded: the fastest packing row); "
+        "mem/S0: peak memory over the same mode's at the first S"
     )
     return "\n".join(lines)
 
@@ -417,7 +427,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every mode")
     p.add_argument("--modes", default=",".join(MODES), help=f"of {list(MODES + EXTRA_MODES)}")
     p.add_argument("--max-length", default=None, help="S, the longest sequence and window (layout's); S1,S2,...: also")
-    p.add_argument("--longer-modes", default="chunkflow", help="the modes run at the second and later S")
+    p.add_argument(
+        "--longer-modes",
+        default="chunkflow",
+        help="the modes run at the second and later S (with "
+        "padded/selective or padded/full: packing with the recompute it needs to fit)",
+    )
     p.add_argument("--docs", type=int, default=None, help="documents in the generated set (layout's default)")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--data", default=None, help="use this indexed dataset (with PREFIX.tokenizer.json) instead")

@@ -77,11 +77,16 @@ def test_ratios_compare_within_one_length_and_memory_across_lengths() -> None:
 
     oom = {"mode": "mcore-fixed", "max_length": 16, "error": "OutOfMemoryError"}
     cases = [row("mcore-fixed", 8, 100.0, 20.0), row("padded", 8, 300.0, 18.0), row("chunkflow", 8, 450.0, 10.0)]
-    cases += [oom, row("chunkflow", 16, 500.0, 10.5)]
+    cases += [oom, row("chunkflow", 16, 500.0, 10.5), {"mode": "padded", "max_length": 16, "error": "OutOfMemoryError"}]
+    cases += [row("padded/causal", 16, 600.0, 30.0), row("padded/full", 16, 200.0, 12.0)]
+    cases += [row("padded/selective", 16, 250.0, 25.0)]
     bc.add_ratios(cases)
     cf8, cf16 = cases[2], cases[4]
     assert cf8["vs_mcore_fixed"] == 4.5 and cf8["vs_padded"] == 1.5 and cf8["mem_vs_first_length"] is None
-    assert cf16["vs_mcore_fixed"] is None and cf16["vs_padded"] is None  # no anchor at that length
+    assert cf8["padded_ref"] == "padded"
+    assert cf16["vs_mcore_fixed"] is None  # no anchor at that length
+    # packing at 16 fits only with recompute: the faster of selective and full, never the causal (maskless) row
+    assert cf16["vs_padded"] == 2.0 and cf16["padded_ref"] == "padded/selective"
     assert cf16["mem_vs_first_length"] == 1.05 and cases[0]["vs_mcore_fixed"] == 1.0
 
 
