@@ -58,6 +58,10 @@ class TrainConfig:
     gradients, scales from each operand's current amax (one per tensor, or per row along each GEMM's reduction).
     The output layer and the loss stay bf16; 2:4 fc1/fc2 run fp8 GEMMs on their masked weights W ⊙ M (decision
     1001). Needs sm_89+ on CUDA; on CPU it runs an exact emulation (for tests)."""
+    fp8_wgrad: bool = False
+    """The weight gradient's GEMM in fp8 too (e5m2 gradient × e4m3 input). Off: bf16, straight into the fp32
+    bucket, which was faster at every shape measured on H100 but one, all at micro-batch 1 (decision 1001); on for
+    larger token counts (micro-batch 2, seq 8192) to measure against it."""
     fp8_min_mnk: float = 4.0e10
     """On CUDA a linear runs fp8 only when rows · out · in of its smallest GEMM (the backward's kept rows under
     collider) reaches this: below it the casts cost more than the fp8 GEMM saves (H100 measurements, decision

@@ -12,6 +12,7 @@ from tiny import TRAINING, tiny
 
 from megasparse.fp8.cast import E4M3, E5M2, dequantize, fp8_max, pow2_scale, quantize_reference
 from megasparse.fp8.gemm import Fp8Gemm
+from megasparse.parallel.layers import DENSE
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -261,6 +262,21 @@ def test_tp2_sp_fp8_layers_equal_per_shard_emulation_and_train_like_one_process(
         assert abs(a - b) / b < 1e-4
     worst = max(rel(two["weights"][k], one["weights"][k]) for k in one["weights"])
     assert worst < 1e-3, worst
+
+
+def test_fp8_wgrad_key_reaches_every_gemm_and_the_banner() -> None:
+    """``train.fp8_wgrad`` (default off, decision 1001) is what each installed GEMM runs its weight gradient with,
+    and the banner says which."""
+    from megasparse.config import load_config
+    from megasparse.fp8.converter import fp8_from_config
+
+    for on in (False, True):
+        conv = fp8_from_config(load_config(None, ["train.fp8=tensorwise", f"train.fp8_wgrad={str(on).lower()}"]))
+        lin = torch.nn.Linear(32, 16, bias=False)
+        lin.gemm = DENSE
+        gemms = conv.convert_linears({"fc1.weight": lin})
+        assert [g.wgrad_fp8 for g in gemms.values()] == [on]
+        assert f"weight gradient in {'fp8' if on else 'bf16'}" in conv.banner(torch.device("cpu"))
 
 
 def test_config_rejects_unknown_fp8_mode() -> None:

@@ -77,7 +77,7 @@ class Fp8Converter:
             if device.type == "cuda"
             else "emulated on CPU (exact fp8 rounding and scales, fp32 products: for tests, not speed)"
         )
-        grads = "e4m3 weights/activations, e5m2 gradients"
+        grads = f"e4m3 weights/activations, e5m2 gradients, weight gradient in {'fp8' if self.wgrad_fp8 else 'bf16'}"
         line = f"fp8: {self.recipe} scaling ({grads}) on {len(self.gemms)} GEMMs ({', '.join(kinds)}), {how}"
         kept = sorted({why for why in self.skipped.values()})
         if kept:
@@ -92,7 +92,7 @@ def fp8_from_config(cfg) -> Fp8Converter | None:
     f = cfg.filter
     kept = f.keep_ratio if f.mode == "collider" else 1.0
     rows = int(cfg.model.seq_length * cfg.train.micro_batch_size * kept)  # a TP region's GEMMs see the whole sequence
-    return Fp8Converter(cfg.train.fp8, min_mnk=cfg.train.fp8_min_mnk, rows=rows)
+    return Fp8Converter(cfg.train.fp8, wgrad_fp8=cfg.train.fp8_wgrad, min_mnk=cfg.train.fp8_min_mnk, rows=rows)
 
 
 def fp8_converter(cfg, model: torch.nn.Module, device: torch.device) -> Fp8Converter | None:
