@@ -1,5 +1,7 @@
-"""ChunkFlow (``megasparse/chunkflow/``, issue 30): the plan covers every real token once and balances DP ranks; a
-chunk's prefix attention (dense and Collider's compact backward) equals its plain-torch reference; training on chunks
+"""ChunkFlow (``megasparse/chunkflow/``, issue 30): the plan covers every real token once, balances DP ranks and
+packs short documents into long sequences' last chunks (decision 1233: also through every exactness case below that
+packs); a chunk's prefix attention (dense and Collider's compact backward, a packed last chunk's too) equals its
+plain-torch reference; training on chunks
 (K = 1 and K = all) gives the same per-token losses, gradients and optimizer step as training each sequence whole,
 at tp 1, tp 2 + SP and dp 2, and so does token filtering on chunks (loss_mask; collider against whole-sequence
 collider on the same kept tokens, also at tp 2 × pp 2 + SP; excess selection with the sidecar and n-gram references
@@ -414,18 +416,19 @@ def _compare(overrides: list[str], keeps: list[int]) -> dict:
     return out
 
 
-def _compare_packed(kernel: str = "bias") -> tuple[float, float, int, int]:
+def _compare_packed(kernel: str = "bias", overrides=()) -> tuple[float, float, int, int]:
     """Short sequences packed several per chunk (document attention keeps them apart, on ``kernel``), long ones
     split, K = 1 (the earlier chunks rerun); the 4-chunk sequence's last chunk also holds two short sequences
-    (decision 1233). Returns the worst per-token and gradient errors, the chunks and that last chunk's pieces."""
+    (decision 1233). Returns the worst per-token and gradient errors, the chunks and that last chunk's pieces;
+    ``overrides``: the config's (a device, a layout)."""
     from megasparse.chunkflow.step import ChunkFlowStep
     from megasparse.train import Trainer
 
     seqs = _sequences()
-    ref_tr = Trainer(_config([]))
+    ref_tr = Trainer(_config(list(overrides)))
     per_seq, _ = _whole_sequences(ref_tr, seqs)
     ref = _grads(ref_tr)
-    tr = Trainer(_config([]))
+    tr = Trainer(_config(list(overrides)), init_groups=False)
     tr.chunkflow = ChunkFlowStep(
         tr.model,
         _Fixed(seqs),
@@ -517,8 +520,10 @@ def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dic
 
     out = []
     for v in variants:
-        tr = Trainer(_config(overrides + [o for o in v if o != WEIGHTED]))
+        tr = Trainer(_config(overrides + [o for o in v if o not in (WEIGHTED, PACKED)]))
         tr.chunkflow.source = _Fixed(_sequences())
+        if PACKED in v:  # document attention on the stand-in data (its config refuses synthetic data): EOD id 0
+            tr.chunkflow.eod, tr.chunkflow.pack = 0, True
         if WEIGHTED in v:
             build = tr.chunkflow.schedule
             tr.chunkflow.schedule = lambda pp, sizes, keep, build=build: build(pp, sizes, keep, cost=COST)
@@ -530,15 +535,18 @@ def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dic
         weights = full_state_dict(tr.model)
         out.append({"grads": grads, "loss": r.loss, "weights": weights, "real": r.extra["real_tokens"]})
         out[-1]["densified"] = densified
+        out[-1]["chunks"] = tr.chunkflow.last["chunks"]
     return out
 
 
 WEIGHTED = "weighted tables"
+PACKED = "short sequences packed, into the long one's last chunk too"  # decision 1233
 PIPELINE_VARIANTS = [
     ["chunkflow.max_chunks_in_memory=1"],  # state-aware 1F1B, one long sequence per stage at a time
     ["chunkflow.max_chunks_in_memory=4", "chunkflow.sequences_in_flight=2"],  # two sequences' stores at once
     ["chunkflow.max_chunks_in_memory=1", "chunkflow.pipeline_schedule=gpipe"],  # the order before decision 1226
     ["chunkflow.max_chunks_in_memory=2", "chunkflow.sequences_in_flight=2", WEIGHTED],  # ops of several slots
+    ["chunkflow.max_chunks_in_memory=1", PACKED],  # 8 chunks: the 4-chunk sequence's last holds two short ones
 ]
 
 
@@ -557,6 +565,7 @@ def test_chunks_through_the_pipeline_train_like_whole_sequences(whole: dict, wor
         for v, r in zip(variants, rank):
             assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-5, v
             assert r["real"] == sum(n - 1 for n in LENGTHS)
+            assert r["chunks"] == (4 + 2 + 2 if PACKED in v else 4 + 2 + 5), v
             _against_whole(r["grads"], r["weights"], whole)
 
 
@@ -668,11 +677,20 @@ def test_collider_on_chunks_equals_whole_sequence_collider_tp1() -> None:
 
 @pytest.mark.slow
 def test_collider_on_chunks_equals_whole_sequence_collider_tp2_sp() -> None:
-    """tp 2 + SP: each TP rank's heads, kept rows split over the SP shards (data-dependent counts), one chunk per
-    short sequence (no packing)."""
+    """tp 2 + SP: each TP rank's heads, kept rows split over the SP shards (data-dependent counts), short sequences
+    packed (two in the long one's last chunk, decision 1233; without packing: the sidecar test at tp 2 + SP)."""
     sp = ("parallel.tp=2", "parallel.sequence_parallel=true")
-    for res in run_distributed(_compare_filtered, 2, "random", "collider", (1, 4), False, sp):
+    for res in run_distributed(_compare_filtered, 2, "random", "collider", (1, 4), True, sp):
         _check_filtered(res)
+        assert res["runs"][1]["chunks"] == 4 + 2 + 2
+
+
+@pytest.mark.slow
+def test_packed_last_chunk_trains_like_whole_sequences_tp2_sp() -> None:
+    """The dense step with short sequences in the long one's last chunk (decision 1233) at tp 2 + SP, K = 1."""
+    sp = ("parallel.tp=2", "parallel.sequence_parallel=true")
+    for tok, grad, chunks, tail in run_distributed(_compare_packed, 2, "bias", sp):
+        assert chunks == 8 and tail == 3 and tok < 1e-5 and grad < 1e-5, (tok, grad)
 
 
 @pytest.mark.slow
@@ -681,14 +699,17 @@ def test_collider_on_chunks_tp2_pp2_sp() -> None:
     4 chunks; GPipe per group): each TP rank's heads, the kept rows split over the SP shards (data-dependent
     counts), each chunk's compact gradient crossing the stages with its own kept count (from the plan) in the
     table's order, and the first stage learning a sequence's kept rows with the gradient of its first backward;
-    equals whole-sequence collider (one process), nothing densified."""
-    (ref,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), False)
+    equals whole-sequence collider (one process), nothing densified. Packed (decision 1233): the long sequence's
+    last chunk's kept count covers its short documents too, against the packed selection's reference."""
+    refs = {p: run_distributed(_compare_filtered, 1, "random", "collider", (1,), p)[0] for p in (False, True)}
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
     collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.5"]
-    variants = PIPELINE_VARIANTS[:3] + [["chunkflow.max_chunks_in_memory=4"]]
+    variants = PIPELINE_VARIANTS[:3] + [["chunkflow.max_chunks_in_memory=4"], PIPELINE_VARIANTS[4]]
     for rank in run_distributed(_pipeline_steps, 4, layout + collider, variants):
         for v, r in zip(variants, rank):
+            ref = refs[PACKED in v]
             assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5, v
+            assert r["chunks"] == (4 + 2 + 2 if PACKED in v else 4 + 2 + 5), v
             assert r["densified"] == 0, v
 
 
@@ -795,7 +816,7 @@ def test_ngram_reference_of_a_later_chunk_is_the_whole_documents(ngram_file) -> 
     lm = NgramLM.load(ngram_file)
     ref = ChunkReference(ReferenceLosses(ngram=lm))
     seqs = _sequences()
-    plan = plan_step([len(s) for s in seqs], C, 1, pack=True)
+    plan = plan_step([len(s) for s in seqs], C, 1, pack=True, tails=False)  # the last chunk: the tail and padding
     long = next(g for g in plan.groups if len(g.chunks) == 4)
     seq = long.chunks[0].pieces[0].seq
     whole = torch.from_numpy(lm.stream_losses(seqs[seq])[1:]).float()
@@ -880,11 +901,16 @@ def test_state_aware_fills_a_long_sequences_bubbles_with_independent_chunks() ->
     assert any(table.sizes[c[0]] == 1 for _, c in order[span[0] : span[-1]])
     assert simulate(table).idle < simulate(gpipe_per_group(2, sizes, 1)).idle
     src = LongTailSequences(vocab=100, max_length=32 * 1024, seed=3)
-    plan = plan_step([src.length(g) for g in range(64)], 1024, dp=1)
+    lengths = [src.length(g) for g in range(64)]
+    plan = plan_step(lengths, 1024, dp=1, tails=False)  # the packed chunks as decision 1226 counted them
     sizes = tuple(len(g.chunks) for g in plan.groups)
+    packed = tuple(len(g.chunks) for g in plan_step(lengths, 1024, dp=1).groups)  # short ones in tails (1233)
     for pp in (2, 4):
         old, new, two = (simulate(f(pp, sizes, 1)) for f in (gpipe_per_group, state_aware, _two_in_flight))
         assert two.idle < new.idle < old.idle, (pp, old.idle, new.idle, two.idle)
+        # fewer independent chunks fill the bubbles once short documents go into tails, but the step still
+        # shortens: every chunk it saves is work on every stage (simulated: 589 -> 558 at pp 2, 842 -> 830 at pp 4)
+        assert simulate(state_aware(pp, packed, 1)).time < new.time
 
 
 def _two_in_flight(pp: int, sizes: tuple[int, ...], keep: int):

@@ -7,8 +7,11 @@ chunks forward in order, backward in reverse) and returns the summed per-token l
 step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
 is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask`` or ``collider``), known
 on every rank from the plan: no collective. Under collider the kept rows also go to the loss layer (``KeepHolder``),
-so the chunk's backward is compact, across chunk boundaries too (decision 1223). ``filter.scorer=excess`` scores each
-of the rank's sequences whole with the reference on the last stage, once per step (decision 1227).
+so the chunk's backward is compact, across chunk boundaries too (decision 1223). A long sequence's last chunk that
+also holds short documents (``chunkflow.pack_tails``, decision 1233) runs the prefix attention with their document
+spans, built from the plan's pieces (``_tail_spans``), and its tail's row count (``ChunkKV.pack``).
+``filter.scorer=excess`` scores each of the rank's sequences whole with the reference on the last stage, once per
+step (decision 1227).
 
 On one stage the order is group by group (all chunks of one sequence forward, then backward in reverse). Under
 pp > 1 every stage runs its row of a slot table (``schedule.py``: by default the state-aware 1F1B, where the
