@@ -136,7 +136,6 @@ class ChunkFlowStep:
         ids = [torch.from_numpy(a[0][:-1]).to(self.device).view(-1, 1) for a in arrays]
         targets = [torch.from_numpy(a[1]).to(self.device) for a in arrays]
         packed = len(group.chunks) == 1 and self.pack  # whole documents from position 0: no state to carry
-        tails = {j: _tail_spans(group.chunks[j], a[2], self.c, self.device) for j, a in enumerate(arrays)}
         stage, chosen, scored = self.stage, {}, {}
 
         def reference(j: int) -> torch.Tensor | None:
@@ -151,8 +150,10 @@ class ChunkFlowStep:
 
         def forward(j: int, x: torch.Tensor | None, kv: ChunkKV | None, first: bool) -> torch.Tensor:
             ctx = self._documents(ids[j]) if packed else ({} if kv is None else {"kv": kv})
-            if kv is not None and tails[j] is not None:  # a long sequence's last chunk holding short documents
-                kv.pack(tails[j], group.chunks[j].pieces[0].count)
+            chunk = group.chunks[j]
+            if kv is not None and len(chunk.pieces) > 1:  # a long sequence's last chunk holding short documents
+                # spans made per forward, like a packed chunk's: their memoised masks go with this chunk's graph
+                kv.pack(_tail_spans(chunk, arrays[j][2], self.c, self.device), chunk.pieces[0].count)
             keep = KeepHolder()
             out = stage(ids[j] if stage.first else x, targets[j], keep, **ctx)
             if not stage.last:
@@ -174,13 +175,11 @@ class ChunkFlowStep:
         return forward
 
 
-def _tail_spans(chunk: Chunk, starts: list[int], c: int, device: torch.device) -> DocSpans | None:
-    """The documents of a long sequence's last chunk that also holds short ones (None: one piece): piece i is
-    document i, at positions from the chunk's ``offset`` (the tail) or from 0 (the packed documents), from the plan
-    rather than from end-of-document ids (a long sequence may hold one inside); the padding after them is one more
-    document. Bias kernel: the prefix attention's."""
-    if len(chunk.pieces) == 1:
-        return None
+def _tail_spans(chunk: Chunk, starts: list[int], c: int, device: torch.device) -> DocSpans:
+    """The documents of a long sequence's last chunk that also holds short ones: piece i is document i, at positions
+    from the chunk's ``offset`` (the tail) or from 0 (the packed documents), taken from the plan rather than from
+    end-of-document ids (a long sequence may hold one inside); the padding after them is one more document. Bias
+    kernel: the prefix attention's."""
     seg = np.full(c, len(chunk.pieces), dtype=np.int64)
     pos = np.arange(c, dtype=np.int64)
     end = 0
