@@ -44,7 +44,9 @@ first S (issue 30: ChunkFlow's within 10% when S doubles).
 A mode whose keys this checkout's config does not know is a row ``not available: ...``, not a crash; so is
 ``mcore-fixed`` without CUDA. Metrics per mode: ``real_tokens_per_s`` (non-padding input tokens of the step,
 global, over the slowest rank's median step), ``step_ms``, ``mem_gib`` (peak allocated per GPU during the timed
-steps, max over ranks, less what earlier cases left behind), ``padding_share``. Real tokens per step:
+steps, max over ranks, less what earlier cases left behind), ``padding_share``, ``chunk_fill`` (ChunkFlow: real
+predictions over its chunks' label slots, the timed steps' mean; ``chunkflow.pack_tails`` raises it). Real tokens per
+step:
 ``mcore-fixed`` counts its sequences' tokens (capped at S); the megasparse modes take the trainer's
 ``StepResult.extra["real_tokens"]`` (global) when it reports one, else ``StepResult.tokens`` x dp (packing: all
 real). Writes ``chunkflow_<layout>.json`` (``device``, ``layout``, ``distribution``, ``cases`` with ``mode`` and
@@ -180,6 +182,7 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
     bt._free()
     leftover = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     lay = state.layout()
+    fills: list[float] = []  # ChunkFlow: the chunks' fill (real / label slots) of each timed step
     if mode == MCORE:
         dev = torch.device("cuda", torch.cuda.current_device())
         num_mb = cfg.num_microbatches(lay.dp)
@@ -202,6 +205,8 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
         def step():
             bt._sync(dev)
             r = tr.train_step()
+            if "chunk_fill" in r.extra:
+                fills.append(r.extra["chunk_fill"])
             return r.loss, r.seconds, int(r.extra.get("real_tokens", r.tokens * tr.dp))
 
         keep = tr
@@ -219,7 +224,9 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
         keep.graphs.release()
     del keep, step
     bt._free()
-    return {"times": times, "real": real, "mem_gib": mem, "losses": [x for x in losses if x is not None], "dev": dev}
+    fill = statistics.mean(fills[warmup:]) if fills[warmup:] else None
+    losses = [x for x in losses if x is not None]
+    return {"times": times, "real": real, "mem_gib": mem, "losses": losses, "dev": dev, "chunk_fill": fill}
 
 
 def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
@@ -241,6 +248,7 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
         "mem_gib": None if any(math.isnan(m) for m in mems) else max(mems),
         "seq_length": cfg.model.seq_length,
         "global_batch_size": cfg.train.global_batch_size,
+        "chunk_fill": r["chunk_fill"],  # ChunkFlow: real / label slots of its chunks (decision 1233); else None
         "losses": r["losses"],
     }
 

@@ -39,6 +39,7 @@ def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
     # ChunkFlow's step holds about as many tokens as one packed step: many more sequences than windows
     assert by["chunkflow"]["global_batch_size"] > 2 * by["padded"]["global_batch_size"]
     assert 0.5 < by["chunkflow"]["real_tokens_per_step"] / by["padded"]["real_tokens_per_step"] < 2
+    assert 0.5 < by["chunkflow"]["chunk_fill"] <= 1 and by["padded"]["chunk_fill"] is None
     # packing has no padding: every input position of the global batch is a real token
     causal = by["padded/causal"]
     assert causal["real_tokens_per_step"] == 4 * 128 and causal["padding_share"] == 0.0

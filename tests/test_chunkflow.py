@@ -1,5 +1,7 @@
-"""ChunkFlow (``megasparse/chunkflow/``, issue 30): the plan covers every real token once and balances DP ranks; a
-chunk's prefix attention (dense and Collider's compact backward) equals its plain-torch reference; training on chunks
+"""ChunkFlow (``megasparse/chunkflow/``, issue 30): the plan covers every real token once, balances DP ranks and
+packs short documents into long sequences' last chunks (decision 1233: also through every exactness case below that
+packs); a chunk's prefix attention (dense and Collider's compact backward, a packed last chunk's too) equals its
+plain-torch reference; training on chunks
 (K = 1 and K = all) gives the same per-token losses, gradients and optimizer step as training each sequence whole,
 at tp 1, tp 2 + SP and dp 2, and so does token filtering on chunks (loss_mask; collider against whole-sequence
 collider on the same kept tokens, also at tp 2 × pp 2 + SP; excess selection with the sidecar and n-gram references
@@ -40,18 +42,22 @@ def _sequences(lengths=LENGTHS, seed: int = 0) -> list[np.ndarray]:
 
 
 # -- the plan ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("pack", [True, False])
-def test_plan_covers_every_real_token_once(pack: bool) -> None:
+@pytest.mark.parametrize(("pack", "tails"), [(True, True), (True, False), (False, True)])
+def test_plan_covers_every_real_token_once(pack: bool, tails: bool) -> None:
     seqs = _sequences()
-    plan = plan_step([len(s) for s in seqs], C, dp=2, pack=pack)
+    plan = plan_step([len(s) for s in seqs], C, dp=2, pack=pack, tails=tails)
     seen: dict[tuple[int, int], int] = {}
     slots = 0
     for group in plan.groups:
-        for _j, chunk in enumerate(group.chunks):
+        for j, chunk in enumerate(group.chunks):
             tokens, labels, starts = chunk_arrays(chunk, seqs, C)
             slots += labels.size
+            assert chunk.used <= C + 1  # no piece crosses a chunk
+            # a long sequence's pieces are its chunks' first; short documents only after its last piece
+            assert all(p.start == 0 and LENGTHS[p.seq] <= C + 1 for p in chunk.pieces[1:])
+            assert len(chunk.pieces) == 1 or len(group.chunks) == 1 or j == len(group.chunks) - 1
+            assert chunk.offset == (chunk.pieces[0].start if len(group.chunks) > 1 else 0)
             for p, at in zip(chunk.pieces, starts):
-                assert chunk.offset == (p.start if len(group.chunks) > 1 else 0)
                 for i in range(p.count - 1):  # label slot at+i predicts token start+i+1 of sequence p.seq
                     assert labels[at + i] == seqs[p.seq][p.start + i + 1]
                     key = (p.seq, p.start + i + 1)
@@ -62,6 +68,34 @@ def test_plan_covers_every_real_token_once(pack: bool) -> None:
     assert plan.slots == slots and plan.num_chunks * C == slots  # padding counted: every slot that runs
     assert sum(plan.loads) == plan.real_tokens
     assert (plan.num_chunks < 4 + 2 + 5) if pack else (plan.num_chunks == 4 + 2 + 5)  # 5 shorts: one chunk each
+    tail = plan.groups[0].chunks[-1]  # the 4-chunk sequence's last piece: 10 tokens, 7 free slots
+    assert [(p.seq, p.count) for p in tail.pieces] == ([(0, 10), (1, 5), (5, 2)] if pack and tails else [(0, 10)])
+
+
+def test_plan_packs_short_sequences_into_long_tails() -> None:
+    """The benchmark's long-tail set (chunks of 8192, up to 32K tokens; fewer documents and steps here): the
+    padding of long sequences' last chunks, 8% of the slots, is filled by short documents (decision 1233)."""
+    from megasparse.data.longtail import LongTailSpec, longtail_lengths
+
+    spec = LongTailSpec(docs=3000, vocab=128256, max_length=32768, seed=0, min_length=16)
+    lengths, rng = longtail_lengths(spec, np.random.default_rng(0)), np.random.default_rng(1)
+    fill, chunks = {True: [0, 0], False: [0, 0]}, {True: 0, False: 0}
+    for _ in range(12):
+        step = [int(lengths[i]) for i in rng.choice(len(lengths), 137, replace=False)]
+        for tails in (True, False):
+            plan = plan_step(step, 8192, 1, tails=tails)
+            fill[tails][0] += plan.real_tokens
+            fill[tails][1] += plan.slots
+            chunks[tails] += plan.num_chunks
+            assert sum(c.real for g in plan.groups for c in g.chunks) == sum(n - 1 for n in step)
+            carrying = [g.chunks[-1] for g in plan.groups if len(g.chunks) > 1 and len(g.chunks[-1].pieces) > 1]
+            assert bool(carrying) == tails
+    packed, padded = (fill[t][0] / fill[t][1] for t in (True, False))
+    assert padded < 0.90 and packed > 0.975, (
+        packed,
+        padded,
+    )  # measured 0.895 -> 0.982 (60 steps of 10000: 0.900 -> 0.986)
+    assert chunks[True] < 0.93 * chunks[False]
 
 
 def test_plan_separates_packed_documents_and_pads() -> None:
@@ -85,7 +119,7 @@ def test_plan_balances_dp_ranks_and_is_deterministic() -> None:
         again = plan_step(list(lengths), C, dp=dp)
         assert again.owner == plan.owner and again.loads == plan.loads
         for g, _r in zip(plan.groups, plan.owner):  # a long sequence's chunks stay together on one rank
-            assert len({p.seq for c in g.chunks for p in c.pieces}) == 1 or len(g.chunks) == 1
+            assert len({c.pieces[0].seq for c in g.chunks}) == 1
     with pytest.raises(ValueError, match="max_sequence_length=100"):
         plan_step([50, 101], C, dp=1, max_length=100)
 
@@ -188,6 +222,66 @@ def test_prefix_attention_compact_backward_matches_collider_reference(s, prefix,
         torch.testing.assert_close(dk, kp.grad[:, :, pre_rows], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(dv, vp.grad[:, :, pre_rows], rtol=1e-10, atol=1e-10)
         assert kp.grad[:, :, ~keep[:prefix]].abs().max() == 0  # non-kept prefix rows: no gradient in the reference
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["dense", "collider"])
+def test_prefix_attention_of_a_last_chunk_with_packed_documents(compact: bool) -> None:
+    """A long sequence's last chunk holding short documents after its tail (decision 1233): only the tail's rows
+    see (and train) the prefix, each document attends within itself at positions from 0, the tail's from the
+    offset; dense and Collider's compact backward against the plain-torch reference (fp64)."""
+    from megasparse.ops.compact import CompactGrad, KeepMeta
+    from megasparse.ops.documents import DocSpans
+
+    torch.manual_seed(3)
+    s, prefix, nq, nkv, d, dt, head = 11, 9, 4, 2, 8, torch.float64, 4
+    seg = torch.tensor([0] * head + [1] * 3 + [2] * 2 + [3] * 2)  # the tail, two documents, padding
+    pos = torch.tensor([prefix + i for i in range(head)] + [0, 1, 2, 0, 1, 0, 1])
+    docs = DocSpans(seg.view(-1, 1), pos.view(-1, 1))
+    cos, sin = rope_tables(64, d, 10000.0, "cpu", dt)
+    qkv = torch.randn(s, 1, (nq + 2 * nkv) * d, dtype=dt, requires_grad=True)
+    bias_t = torch.randn((nq + 2 * nkv) * d, dtype=dt, requires_grad=True)
+    kp = torch.randn(1, nkv, prefix, d, dtype=dt, requires_grad=True)
+    vp = torch.randn(1, nkv, prefix, d, dtype=dt, requires_grad=True)
+    keep = torch.rand(prefix + s) < (0.5 if compact else 2)
+    keep[prefix + 1] = keep[prefix + head + 1] = True  # a kept tail row and a kept document row
+    own, pre_rows = keep[prefix:].nonzero()[:, 0], keep[:prefix].nonzero()[:, 0]
+
+    class Source:
+        got: tuple | None = None
+
+        def prefix(self):
+            return kp.detach(), vp.detach()
+
+        def kept(self):
+            return pre_rows if compact else None
+
+        def add_grad(self, dk, dv, rows=None):
+            self.got = (dk, dv, rows)
+
+    src = Source()
+    y, k, v = prefix_attention(qkv, nq, nkv, cos, sin, prefix, src, bias_t, docs, head)
+    ref = prefix_attention_reference(qkv, nq, nkv, cos, sin, prefix, kp, vp, bias_t, keep if compact else None,
+                                     docs, head)  # fmt: skip
+    for a, r in zip((y, k, v), ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+    gy = torch.randn_like(y) * keep[prefix:, None, None]
+    gy_in = CompactGrad(gy.view(s, -1)[own], KeepMeta(own, s), y.shape) if compact else gy
+    torch.autograd.backward([y], [gy_in])  # the last chunk: no later chunk sends k/v gradients
+    got = qkv.grad.rows if compact else qkv.grad
+    mine_bias = bias_t.grad.clone()
+    qkv.grad = bias_t.grad = None
+    torch.autograd.backward([ref[0]], [gy])
+    full = qkv.grad.view(s, -1)
+    torch.testing.assert_close(got.view(-1, full.shape[1]), full[own], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(mine_bias, bias_t.grad, rtol=1e-10, atol=1e-10)
+    dk, dv, rows = src.got
+    assert (rows is None) != compact
+    at = pre_rows if compact else slice(None)
+    torch.testing.assert_close(dk, kp.grad[:, :, at], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dv, vp.grad[:, :, at], rtol=1e-10, atol=1e-10)
+    # the mutation: every row of the chunk attending to the prefix (the documents too) gives other outputs
+    alone = prefix_attention_reference(qkv, nq, nkv, cos, sin, prefix, kp, vp, bias_t, None, docs, s)[0]
+    assert (alone - y).abs()[head:].amax() > 1e-3 and (alone - y).abs()[:head].amax() < 1e-10
 
 
 # -- training on chunks equals training each sequence whole --------------------------------------------------------
@@ -322,17 +416,19 @@ def _compare(overrides: list[str], keeps: list[int]) -> dict:
     return out
 
 
-def _compare_packed(kernel: str = "bias") -> tuple[float, float, int]:
+def _compare_packed(kernel: str = "bias", overrides=()) -> tuple[float, float, int, int]:
     """Short sequences packed several per chunk (document attention keeps them apart, on ``kernel``), long ones
-    split."""
+    split, K = 1 (the earlier chunks rerun); the 4-chunk sequence's last chunk also holds two short sequences
+    (decision 1233). Returns the worst per-token and gradient errors, the chunks and that last chunk's pieces;
+    ``overrides``: the config's (a device, a layout)."""
     from megasparse.chunkflow.step import ChunkFlowStep
     from megasparse.train import Trainer
 
     seqs = _sequences()
-    ref_tr = Trainer(_config([]))
+    ref_tr = Trainer(_config(list(overrides)))
     per_seq, _ = _whole_sequences(ref_tr, seqs)
     ref = _grads(ref_tr)
-    tr = Trainer(_config([]))
+    tr = Trainer(_config(list(overrides)), init_groups=False)
     tr.chunkflow = ChunkFlowStep(
         tr.model,
         _Fixed(seqs),
@@ -349,15 +445,16 @@ def _compare_packed(kernel: str = "bias") -> tuple[float, float, int]:
     assert len(per_tok) == sum(len(s) - 1 for s in seqs)
     tok = max(abs(v.item() - per_seq[s][i].item()) / abs(per_seq[s][i].item()) for (s, i), v in per_tok.items())
     grads = _grads(tr)
-    return tok, max(_rel(grads[n], ref[n]) for n in ref), work.plan.num_chunks
+    tail = len(work.plan.groups[0].chunks[-1].pieces)
+    return tok, max(_rel(grads[n], ref[n]) for n in ref), work.plan.num_chunks, tail
 
 
 @pytest.mark.parametrize("kernel", ["bias", "flex"])
 def test_packed_chunks_with_document_attention_train_like_whole_sequences(kernel: str) -> None:
     pytest.importorskip("megasparse.ops.documents", reason="document attention (issue 30 item 1) not in this tree")
     (res,) = run_distributed(_compare_packed, 1, kernel)
-    tok, grad, chunks = res
-    assert chunks < 4 + 2 + 5  # the five short sequences share chunks
+    tok, grad, chunks, tail = res
+    assert chunks == 4 + 2 + 2 and tail == 3  # the five short sequences share two chunks and the long one's last
     assert tok < 1e-5 and grad < 1e-5, res
 
 
@@ -423,8 +520,10 @@ def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dic
 
     out = []
     for v in variants:
-        tr = Trainer(_config(overrides + [o for o in v if o != WEIGHTED]))
+        tr = Trainer(_config(overrides + [o for o in v if o not in (WEIGHTED, PACKED)]))
         tr.chunkflow.source = _Fixed(_sequences())
+        if PACKED in v:  # document attention on the stand-in data (its config refuses synthetic data): EOD id 0
+            tr.chunkflow.eod, tr.chunkflow.pack = 0, True
         if WEIGHTED in v:
             build = tr.chunkflow.schedule
             tr.chunkflow.schedule = lambda pp, sizes, keep, build=build: build(pp, sizes, keep, cost=COST)
@@ -436,15 +535,18 @@ def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dic
         weights = full_state_dict(tr.model)
         out.append({"grads": grads, "loss": r.loss, "weights": weights, "real": r.extra["real_tokens"]})
         out[-1]["densified"] = densified
+        out[-1]["chunks"] = tr.chunkflow.last["chunks"]
     return out
 
 
 WEIGHTED = "weighted tables"
+PACKED = "short sequences packed, into the long one's last chunk too"  # decision 1233
 PIPELINE_VARIANTS = [
     ["chunkflow.max_chunks_in_memory=1"],  # state-aware 1F1B, one long sequence per stage at a time
     ["chunkflow.max_chunks_in_memory=4", "chunkflow.sequences_in_flight=2"],  # two sequences' stores at once
     ["chunkflow.max_chunks_in_memory=1", "chunkflow.pipeline_schedule=gpipe"],  # the order before decision 1226
     ["chunkflow.max_chunks_in_memory=2", "chunkflow.sequences_in_flight=2", WEIGHTED],  # ops of several slots
+    ["chunkflow.max_chunks_in_memory=1", PACKED],  # 8 chunks: the 4-chunk sequence's last holds two short ones
 ]
 
 
@@ -463,6 +565,7 @@ def test_chunks_through_the_pipeline_train_like_whole_sequences(whole: dict, wor
         for v, r in zip(variants, rank):
             assert abs(r["loss"] - whole["ref_mean"]) / whole["ref_mean"] < 1e-5, v
             assert r["real"] == sum(n - 1 for n in LENGTHS)
+            assert r["chunks"] == (4 + 2 + 2 if PACKED in v else 4 + 2 + 5), v
             _against_whole(r["grads"], r["weights"], whole)
 
 
@@ -562,21 +665,32 @@ def test_loss_mask_filtering_on_chunks_keeps_real_tokens_only(scorer: str) -> No
 
 def test_collider_on_chunks_equals_whole_sequence_collider_tp1() -> None:
     """Collider on a 4-chunk sequence (K = 1: the earlier chunks rerun; K = 4: none does) and on packed short
-    sequences (document attention): the compact backward reaches the earlier chunks' kept keys/values only and
-    equals collider on each whole sequence with the same kept tokens, with no densified gradient."""
+    sequences (document attention; two of them in the long sequence's last chunk, whose kept rows of the short
+    documents must not reach the prefix, decision 1233): the compact backward reaches the earlier chunks' kept
+    keys/values only and equals collider on each whole sequence with the same kept tokens, with no densified
+    gradient."""
     pytest.importorskip("megasparse.ops.documents", reason="document attention (issue 30 item 1) not in this tree")
     (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1, 4), True)
     _check_filtered(res)
-    assert res["runs"][1]["chunks"] < 4 + 2 + 5  # the five short sequences share chunks
+    assert res["runs"][1]["chunks"] == 4 + 2 + 2  # the five short sequences share chunks and a long one's last
 
 
 @pytest.mark.slow
 def test_collider_on_chunks_equals_whole_sequence_collider_tp2_sp() -> None:
-    """tp 2 + SP: each TP rank's heads, kept rows split over the SP shards (data-dependent counts), one chunk per
-    short sequence (no packing)."""
+    """tp 2 + SP: each TP rank's heads, kept rows split over the SP shards (data-dependent counts), short sequences
+    packed (two in the long one's last chunk, decision 1233; without packing: the sidecar test at tp 2 + SP)."""
     sp = ("parallel.tp=2", "parallel.sequence_parallel=true")
-    for res in run_distributed(_compare_filtered, 2, "random", "collider", (1, 4), False, sp):
+    for res in run_distributed(_compare_filtered, 2, "random", "collider", (1, 4), True, sp):
         _check_filtered(res)
+        assert res["runs"][1]["chunks"] == 4 + 2 + 2
+
+
+@pytest.mark.slow
+def test_packed_last_chunk_trains_like_whole_sequences_tp2_sp() -> None:
+    """The dense step with short sequences in the long one's last chunk (decision 1233) at tp 2 + SP, K = 1."""
+    sp = ("parallel.tp=2", "parallel.sequence_parallel=true")
+    for tok, grad, chunks, tail in run_distributed(_compare_packed, 2, "bias", sp):
+        assert chunks == 8 and tail == 3 and tok < 1e-5 and grad < 1e-5, (tok, grad)
 
 
 @pytest.mark.slow
@@ -585,14 +699,17 @@ def test_collider_on_chunks_tp2_pp2_sp() -> None:
     4 chunks; GPipe per group): each TP rank's heads, the kept rows split over the SP shards (data-dependent
     counts), each chunk's compact gradient crossing the stages with its own kept count (from the plan) in the
     table's order, and the first stage learning a sequence's kept rows with the gradient of its first backward;
-    equals whole-sequence collider (one process), nothing densified."""
-    (ref,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), False)
+    equals whole-sequence collider (one process), nothing densified. Packed (decision 1233): the long sequence's
+    last chunk's kept count covers its short documents too, against the packed selection's reference."""
+    refs = {p: run_distributed(_compare_filtered, 1, "random", "collider", (1,), p)[0] for p in (False, True)}
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
     collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.5"]
-    variants = PIPELINE_VARIANTS[:3] + [["chunkflow.max_chunks_in_memory=4"]]
+    variants = PIPELINE_VARIANTS[:3] + [["chunkflow.max_chunks_in_memory=4"], PIPELINE_VARIANTS[4]]
     for rank in run_distributed(_pipeline_steps, 4, layout + collider, variants):
         for v, r in zip(variants, rank):
+            ref = refs[PACKED in v]
             assert max(_rel(r["grads"][n], ref["ref_grads"][n]) for n in ref["ref_grads"]) < 1e-5, v
+            assert r["chunks"] == (4 + 2 + 2 if PACKED in v else 4 + 2 + 5), v
             assert r["densified"] == 0, v
 
 
@@ -699,7 +816,7 @@ def test_ngram_reference_of_a_later_chunk_is_the_whole_documents(ngram_file) -> 
     lm = NgramLM.load(ngram_file)
     ref = ChunkReference(ReferenceLosses(ngram=lm))
     seqs = _sequences()
-    plan = plan_step([len(s) for s in seqs], C, 1, pack=True)
+    plan = plan_step([len(s) for s in seqs], C, 1, pack=True, tails=False)  # the last chunk: the tail and padding
     long = next(g for g in plan.groups if len(g.chunks) == 4)
     seq = long.chunks[0].pieces[0].seq
     whole = torch.from_numpy(lm.stream_losses(seqs[seq])[1:]).float()
@@ -784,11 +901,16 @@ def test_state_aware_fills_a_long_sequences_bubbles_with_independent_chunks() ->
     assert any(table.sizes[c[0]] == 1 for _, c in order[span[0] : span[-1]])
     assert simulate(table).idle < simulate(gpipe_per_group(2, sizes, 1)).idle
     src = LongTailSequences(vocab=100, max_length=32 * 1024, seed=3)
-    plan = plan_step([src.length(g) for g in range(64)], 1024, dp=1)
+    lengths = [src.length(g) for g in range(64)]
+    plan = plan_step(lengths, 1024, dp=1, tails=False)  # the packed chunks as decision 1226 counted them
     sizes = tuple(len(g.chunks) for g in plan.groups)
+    packed = tuple(len(g.chunks) for g in plan_step(lengths, 1024, dp=1).groups)  # short ones in tails (1233)
     for pp in (2, 4):
         old, new, two = (simulate(f(pp, sizes, 1)) for f in (gpipe_per_group, state_aware, _two_in_flight))
         assert two.idle < new.idle < old.idle, (pp, old.idle, new.idle, two.idle)
+        # fewer independent chunks fill the bubbles once short documents go into tails, but the step still
+        # shortens: every chunk it saves is work on every stage (simulated: 589 -> 558 at pp 2, 842 -> 830 at pp 4)
+        assert simulate(state_aware(pp, packed, 1)).time < new.time
 
 
 def _two_in_flight(pp: int, sizes: tuple[int, ...], keep: int):
@@ -887,3 +1009,23 @@ def test_chunkflow_runs_eagerly_and_says_why() -> None:
         cfg = load_config(None, tiny(train__micro_batch_size=1) + ["chunkflow.enabled=true", f"parallel.pp={pp}"])
         why = capture_blocker(cfg, pp, torch.device("cuda", 0), components_for_capture_check(cfg))
         assert why is not None and "chunkflow.enabled" in why
+
+
+def test_pack_tails_is_one_flag_away() -> None:
+    """``chunkflow.pack_tails`` (decision 1233) reaches the trainer's step: on (the default, with document
+    attention) short sequences fill long sequences' last chunks and the fill rises; off, the old layout."""
+    from types import SimpleNamespace
+
+    from megasparse.chunkflow.config import chunkflow_line
+    from megasparse.chunkflow.step import chunk_step
+
+    fills = {}
+    for tails in (True, False):
+        ov = ["chunkflow.enabled=true", "data.document_attention=true", f"chunkflow.pack_tails={tails}"]
+        cfg = load_config(None, tiny(train__micro_batch_size=1, train__global_batch_size=64) + ov)
+        assert ("last chunks" in chunkflow_line(cfg)) == tails
+        step = chunk_step(cfg, SimpleNamespace(chunks=[None]), 250, 1, 0, torch.device("cpu"))
+        plan = step.batches(0).plan
+        assert any(len(g.chunks) > 1 and len(g.chunks[-1].pieces) > 1 for g in plan.groups) == tails
+        fills[tails] = plan.real_tokens / plan.slots
+    assert fills[True] > fills[False]

@@ -35,6 +35,12 @@ class ChunkFlowConfig:
     own, then the single chunks run 1F1B: the order before it). ``filter.mode=collider`` runs either: a sequence's
     kept positions, chosen on the last stage, cross each stage boundary with the gradient of its first backward
     (decision 1223)."""
+    pack_tails: bool = True
+    """With ``data.document_attention`` (short sequences packed): the short sequences' first-fit also fills the
+    padding after a long sequence's last piece (decision 1233). Only the long sequence's rows of that chunk attend to
+    its earlier chunks; the short documents attend within themselves from position 0. On the benchmark's long-tail
+    set (chunks of 8192, sequences up to 32K) the chunks' fill rises from 90.0% to 98.6%. False: the long sequence
+    pads its last chunk (the layout before; for A/B). Without document attention it changes nothing."""
     sequences_in_flight: int = 1
     """``state_aware``: long sequences in progress on a stage at once. 2 lets the next sequence's forwards fill
     the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones) at the
@@ -53,6 +59,8 @@ class ChunkFlowConfig:
             raise ConfigError(f"chunkflow.max_chunks_in_memory={self.max_chunks_in_memory} must be >= 1")
         if self.pipeline_schedule not in ("state_aware", "gpipe"):
             raise ConfigError(f"chunkflow.pipeline_schedule={self.pipeline_schedule!r}: use state_aware or gpipe")
+        if not isinstance(self.pack_tails, bool):
+            raise ConfigError(f"chunkflow.pack_tails={self.pack_tails!r} must be true or false")
         if self.sequences_in_flight < 1:
             raise ConfigError(f"chunkflow.sequences_in_flight={self.sequences_in_flight} must be >= 1")
         m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -110,7 +118,9 @@ def chunkflow_line(cfg) -> str:
     """The start banner's line: what a step holds, what K keeps and whether short sequences share chunks."""
     cf, t = cfg.chunkflow, cfg.train
     limit = sequence_limit(cfg)
-    packed = "packed (document attention)" if getattr(cfg.data, "document_attention", False) else "one per chunk"
+    packed = "one per chunk"
+    if getattr(cfg.data, "document_attention", False):
+        packed = "packed (document attention)" + (", also into long sequences' last chunks" if cf.pack_tails else "")
     line = (
         f"on: {t.global_batch_size} whole sequences/step{'' if limit is None else f' (up to {limit} tokens)'} in "
         f"chunks of {cfg.model.seq_length}, activations of K={cf.max_chunks_in_memory} chunks per sequence kept, "

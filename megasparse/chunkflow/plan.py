@@ -7,7 +7,11 @@ fixed-length sample), where C is the chunk size (``model.seq_length``):
 * a long sequence (L > C + 1) is split into ceil((L - 1) / C) consecutive chunks, chunk j holding tokens
   [j·C, j·C + C + 1) of it, the last one padded; chunk j's positions start at j·C;
 * short sequences (L <= C + 1) are packed by first-fit decreasing into chunks of C + 1 token slots when the packed
-  documents are kept apart (document attention), or take one chunk each when they are not (``pack=False``).
+  documents are kept apart (document attention), or take one chunk each when they are not (``pack=False``). With
+  ``tails`` (``chunkflow.pack_tails``, decision 1233) the free slots after a long sequence's last piece are bins
+  too, tried first: that chunk's first piece is the long sequence's tail (positions from the chunk's ``offset``, the
+  only rows that attend to the earlier chunks), the short documents after it start at position 0 and attend within
+  themselves, exactly as in a packed chunk.
 
 Padding slots and the label slot between two packed documents are not real: their label is ``IGNORE`` (no loss, no
 gradient). The loss is normalised by the step's real predictions, which every rank knows from the plan. Groups (a
@@ -38,7 +42,8 @@ class Piece:
 
 @dataclass
 class Chunk:
-    """One micro-batch of ``C + 1`` token slots: its pieces in order and the RoPE position of its first token."""
+    """One micro-batch of ``C + 1`` token slots: its pieces in order and the RoPE position of its first token (of
+    ``pieces[0]`` only: any later piece is a whole short document from position 0)."""
 
     pieces: list[Piece]
     offset: int = 0
@@ -91,17 +96,24 @@ class StepPlan:
 
 
 def plan_step(
-    lengths: list[int], chunk_size: int, dp: int, pack: bool = True, max_length: int | None = None
+    lengths: list[int],
+    chunk_size: int,
+    dp: int,
+    pack: bool = True,
+    max_length: int | None = None,
+    tails: bool = True,
 ) -> StepPlan:
     """The step's chunks for sequences of ``lengths`` tokens (in the step's order), dealt to ``dp`` ranks.
 
-    ``pack``: several short sequences per chunk (needs document attention); off, one each. Sequences of fewer
-    than 2 tokens train nothing and get no chunk. ``max_length``: a longer sequence raises ValueError."""
+    ``pack``: several short sequences per chunk (needs document attention); off, one each. ``tails`` (with
+    ``pack``): short sequences also fill the padding of long sequences' last chunks. Sequences of fewer than 2
+    tokens train nothing and get no chunk. ``max_length``: a longer sequence raises ValueError."""
     c = chunk_size
     if c < 1 or dp < 1:
         raise ValueError(f"chunk_size={chunk_size} and dp={dp} must be >= 1")
     groups: list[Group] = []
     short: list[int] = []
+    bins: list[Chunk] = []  # where short sequences may go, first fit first: long tails (with ``tails``), then packs
     for i, n in enumerate(lengths):
         if max_length is not None and n > max_length:
             raise ValueError(
@@ -112,9 +124,11 @@ def plan_step(
         if n > c + 1:
             pieces = [Piece(i, j * c, min(c + 1, n - j * c)) for j in range(-(-(n - 1) // c))]
             groups.append(Group([Chunk([p], offset=p.start) for p in pieces]))
+            if pack and tails:
+                bins.append(groups[-1].chunks[-1])
         else:
             short.append(i)
-    bins: list[Chunk] = []
+    tails_at = len(bins)
     for i in sorted(short, key=lambda i: (-lengths[i], i)):  # first-fit decreasing; ties in the step's order
         n = lengths[i]
         home = next((b for b in bins if b.used + n <= c + 1), None) if pack else None
@@ -122,7 +136,7 @@ def plan_step(
             bins.append(Chunk([Piece(i, 0, n)]))
         else:
             home.pieces.append(Piece(i, 0, n))
-    groups += [Group([b]) for b in bins]
+    groups += [Group([b]) for b in bins[tails_at:]]
     owner, loads = _deal(groups, dp)
     return StepPlan(groups, owner, dp, c, sum(g.real for g in groups), loads)
 

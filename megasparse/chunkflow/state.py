@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from megasparse.chunkflow.schedule import ChunkId, Op, Schedule
+from megasparse.ops.documents import DocSpans
 from megasparse.ops.prefix_attention import prefix_attention
 from megasparse.parallel import comm
 from megasparse.parallel.pipeline import StageComm, catch_grad
@@ -103,12 +104,20 @@ class _LayerPrefix:
 class ChunkKV:
     """What the model gets for chunk j of a group (``GPTStage.forward(..., kv=)``): the RoPE offset of its first
     token and, per layer, the attention over the earlier chunks. ``rerun``: the forward runs again for the
-    backward (the store already holds this chunk's keys/values)."""
+    backward (the store already holds this chunk's keys/values). ``pack``: a last chunk that also holds short
+    documents (decision 1233)."""
 
     def __init__(self, store: KVStore, j: int, offset: int, rerun: bool = False):
         self.store, self.j, self.offset, self.rerun = store, j, offset, rerun
+        self.docs: DocSpans | None = None
+        self.head: int | None = None
         self.outputs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         """(layer, k, v) of this chunk with their autograd history (forwards with grad only)."""
+
+    def pack(self, docs: DocSpans, head: int) -> None:
+        """This chunk's rows [0, head) are the sequence's tail, the rest packed documents (``docs``: all of the
+        chunk's documents and RoPE positions, the tail's from ``offset``): only the tail attends to the prefix."""
+        self.docs, self.head = docs, head
 
     def keep_rows(self, positions: torch.Tensor) -> None:
         """Collider: this chunk's kept positions (ascending, in the chunk), which the later chunks' compact
@@ -117,7 +126,8 @@ class ChunkKV:
 
     def attend(self, layer: int, qkv: torch.Tensor, nq: int, nkv: int, cos, sin, bias=None) -> torch.Tensor:
         """Layer ``layer``'s attention for this chunk: y [s, b, nq·d] (its keys/values recorded)."""
-        y, k, v = prefix_attention(qkv, nq, nkv, cos, sin, self.offset, _LayerPrefix(self.store, layer, self.j), bias)
+        source = _LayerPrefix(self.store, layer, self.j)
+        y, k, v = prefix_attention(qkv, nq, nkv, cos, sin, self.offset, source, bias, self.docs, self.head)
         if not self.rerun:
             self.store.write(layer, self.j, k.detach(), v.detach())
         if torch.is_grad_enabled():

@@ -7,8 +7,11 @@ chunks forward in order, backward in reverse) and returns the summed per-token l
 step's real predictions, so the trainer's mean loss and tokens/s are over real tokens only. The loss of every chunk
 is normalised by the step's real predictions (its kept ones under ``filter.mode=loss_mask`` or ``collider``), known
 on every rank from the plan: no collective. Under collider the kept rows also go to the loss layer (``KeepHolder``),
-so the chunk's backward is compact, across chunk boundaries too (decision 1223). ``filter.scorer=excess`` scores each
-of the rank's sequences whole with the reference on the last stage, once per step (decision 1227).
+so the chunk's backward is compact, across chunk boundaries too (decision 1223). A long sequence's last chunk that
+also holds short documents (``chunkflow.pack_tails``, decision 1233) runs the prefix attention with their document
+spans, built from the plan's pieces (``_tail_spans``), and its tail's row count (``ChunkKV.pack``).
+``filter.scorer=excess`` scores each of the rank's sequences whole with the reference on the last stage, once per
+step (decision 1227).
 
 On one stage the order is group by group (all chunks of one sequence forward, then backward in reverse). Under
 pp > 1 every stage runs its row of a slot table (``schedule.py``: by default the state-aware 1F1B, where the
@@ -28,7 +31,7 @@ import torch
 from megasparse.chunkflow.config import sequence_limit
 from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.filter import ChunkReference, ChunkSelection
-from megasparse.chunkflow.plan import Group, StepPlan, chunk_arrays, plan_step
+from megasparse.chunkflow.plan import Chunk, Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.schedule import Schedule, gpipe_per_group, state_aware
 from megasparse.chunkflow.state import ChunkKV, run_group, run_schedule
 from megasparse.ops.compact import KeepHolder, KeepMeta
@@ -60,7 +63,8 @@ class ChunkFlowStep:
                  device: torch.device, eod: int | None = None, max_length: int | None = None,
                  p2p: StageComm | None = None, selection: ChunkSelection | None = None,
                  schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware,
-                 doc_kernel: str = "bias", reference: ChunkReference | None = None):  # fmt: skip
+                 doc_kernel: str = "bias", reference: ChunkReference | None = None,
+                 pack_tails: bool = True):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
@@ -70,7 +74,8 @@ class ChunkFlowStep:
         1226); under collider each compact gradient's receive takes its chunk's kept count from the plan and the
         kept positions cross with a long group's first backward (``state.run_schedule``, decision 1223).
         ``doc_kernel``: the kernel of a packed chunk's document attention (``data.document_attention_kernel``,
-        decision 1201). ``reference``: the excess scorer's reference losses (the last stage's; decision 1227)."""
+        decision 1201). ``reference``: the excess scorer's reference losses (the last stage's; decision 1227).
+        ``pack_tails`` (with ``eod``): short sequences also fill long sequences' last chunks (decision 1233)."""
         self.schedule = schedule
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
@@ -78,6 +83,7 @@ class ChunkFlowStep:
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
         self.pack, self.selection, self.doc_kernel, self.reference = eod is not None, selection, doc_kernel, reference
+        self.pack_tails = pack_tails
         self.seen: int | None = None
         """Real predictions trained so far, over all ranks (counted from the data at the first step: resumes too)."""
         self.last: dict = {}
@@ -91,7 +97,7 @@ class ChunkFlowStep:
     def batches(self, step: int) -> RankChunks:
         read = self.source.step_sequences(step, self.per_step)
         seqs = [np.asarray(t) for _, t in read]
-        plan = plan_step([len(t) for t in seqs], self.c, self.dp, self.pack, self.max_length)
+        plan = plan_step([len(t) for t in seqs], self.c, self.dp, self.pack, self.max_length, self.pack_tails)
         where = getattr(self.source, "global_positions", None) if self.reference is not None else None
         positions = None if where is None else [where(g) for g, _ in read]
         return RankChunks(plan, plan.rank_groups(self.dp_rank), seqs, positions)
@@ -144,6 +150,10 @@ class ChunkFlowStep:
 
         def forward(j: int, x: torch.Tensor | None, kv: ChunkKV | None, first: bool) -> torch.Tensor:
             ctx = self._documents(ids[j]) if packed else ({} if kv is None else {"kv": kv})
+            chunk = group.chunks[j]
+            if kv is not None and len(chunk.pieces) > 1:  # a long sequence's last chunk holding short documents
+                # spans made per forward, like a packed chunk's: their memoised masks go with this chunk's graph
+                kv.pack(_tail_spans(chunk, arrays[j][2], self.c, self.device), chunk.pieces[0].count)
             keep = KeepHolder()
             out = stage(ids[j] if stage.first else x, targets[j], keep, **ctx)
             if not stage.last:
@@ -165,6 +175,23 @@ class ChunkFlowStep:
         return forward
 
 
+def _tail_spans(chunk: Chunk, starts: list[int], c: int, device: torch.device) -> DocSpans:
+    """The documents of a long sequence's last chunk that also holds short ones: piece i is document i, at positions
+    from the chunk's ``offset`` (the tail) or from 0 (the packed documents), taken from the plan rather than from
+    end-of-document ids (a long sequence may hold one inside); the padding after them is one more document. Bias
+    kernel: the prefix attention's."""
+    seg = np.full(c, len(chunk.pieces), dtype=np.int64)
+    pos = np.arange(c, dtype=np.int64)
+    end = 0
+    for i, (p, at) in enumerate(zip(chunk.pieces, starts)):
+        end = min(at + p.count, c)  # a piece's last token may be only a label (slot c)
+        seg[at:end] = i
+        pos[at:end] = np.arange(end - at) + (chunk.offset if i == 0 else 0)
+    pos[end:] -= end
+    to = partial(torch.as_tensor, device=device)
+    return DocSpans(to(seg).view(-1, 1), to(pos).view(-1, 1), "bias")
+
+
 def chunk_step(
     cfg, model, vocab: int, dp: int, dp_rank: int, device: torch.device, p2p: StageComm | None = None, tf=None
 ) -> ChunkFlowStep | None:
@@ -182,7 +209,7 @@ def chunk_step(
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
         max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), schedule=pipeline_schedule(cf),
         doc_kernel=getattr(cfg.data, "document_attention_kernel", "bias"),
-        reference=None if reference is None else ChunkReference(reference),
+        reference=None if reference is None else ChunkReference(reference), pack_tails=cf.pack_tails,
     )  # fmt: skip
 
 

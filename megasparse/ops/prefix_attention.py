@@ -13,6 +13,11 @@ The prefix is not an autograd input: the caller's ``PrefixSource`` hands the key
 in the backward: nothing of the prefix is saved here) and receives their gradients in the backward
 (``add_grad``). The chunk's own rotated keys and values are extra outputs, so a caller can keep them for the later
 chunks and feed the gradients those later chunks produced back into this chunk's backward.
+
+A sequence's last chunk may also hold packed short documents after its tail (``chunkflow.pack_tails``, decision
+1233): ``docs`` then masks the chunk's own attention by document and gives each row its RoPE position (the tail's
+from ``offset``, the others' from 0), and only the first ``head`` rows (the tail) attend to the prefix, merged into
+those rows alone; the other documents' rows never read or train the prefix, in the compact backward too.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from typing import Protocol
 
 import torch
 
-from megasparse.ops.attention import _aligned_rows, _flash_bwd, _flash_fwd, _rotated, _rows_at
+from megasparse.ops.attention import _aligned_rows, _doc_bias, _flash_bwd, _flash_fwd, _rotated, _rows_at
 from megasparse.ops.compact import CompactGrad
+from megasparse.ops.documents import DocSpans
 from megasparse.ops.rope_kernels import rope_into
 
 __all__ = ["PrefixSource", "prefix_attention", "prefix_attention_reference"]
@@ -43,13 +49,16 @@ class PrefixSource(Protocol):
 
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor):
-    """Two attention results over disjoint key sets combined into the one over their union: (out, lse). The lse
-    keeps the first result's layout (the efficient kernel pads its rows); the arithmetic is fp32 or wider."""
-    s, acc = o1.shape[2], torch.promote_types(o1.dtype, torch.float32)
+    """Two attention results over disjoint key sets combined into the one over their union: (out, lse); ``o2`` may
+    cover only the first rows of ``o1`` (a packed last chunk's tail), the others keep ``o1``'s. The lse keeps the
+    first result's layout (the efficient kernel pads its rows); the arithmetic is fp32 or wider."""
+    s, acc = o2.shape[2], torch.promote_types(o1.dtype, torch.float32)
     a, c = l1[..., :s].to(acc), l2[..., :s].to(acc)
     m = torch.logaddexp(a, c)
     out = torch.empty_like(o1)  # o1's strides (cuDNN wants dO laid out like O in the backward)
-    out.copy_(o1.to(acc) * (a - m).exp().unsqueeze(-1) + o2.to(acc) * (c - m).exp().unsqueeze(-1))
+    out[:, :, :s].copy_(o1[:, :, :s].to(acc) * (a - m).exp().unsqueeze(-1) + o2.to(acc) * (c - m).exp().unsqueeze(-1))
+    if s < o1.shape[2]:
+        out[:, :, s:].copy_(o1[:, :, s:])
     lse = l1.clone()
     lse[..., :s] = m.to(lse.dtype)
     return out, lse
@@ -57,24 +66,24 @@ def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tenso
 
 class PrefixAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, nq: int, nkv: int, cos, sin, offset: int, source: PrefixSource, bias):
+    def forward(ctx, qkv, nq: int, nkv: int, cos, sin, offset: int, source: PrefixSource, bias, docs, head):
         if bias is not None:
             qkv = qkv + bias
         s, b, _ = qkv.shape
-        q, k, v = _rotated(qkv, nq, nkv, cos, sin, offset=offset)
+        q, k, v = _rotated(qkv, nq, nkv, cos, sin, docs, offset=offset)
         d = q.shape[-1]
         scale = d**-0.5
-        out, lse, rng = _flash_fwd(q, k, v, scale)
+        out, lse, rng = _flash_fwd(q, k, v, scale, None if docs is None else _doc_bias(docs, q))
         pre = source.prefix()
         rng_p = None
         if pre is not None:
-            o_p, l_p, rng_p = _flash_fwd(q, pre[0], pre[1], scale, causal=False)
+            o_p, l_p, rng_p = _flash_fwd(q[:, :, :head], pre[0], pre[1], scale, causal=False)
             out, lse = _merge(out, lse, o_p, l_p)
         y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
         k_out, v_out = k.contiguous(), v.contiguous()  # [b, nkv, s, d]: what the later chunks read
         ctx.save_for_backward(q, k_out, v_out, out, lse, cos, sin)
         ctx.meta = (nq, nkv, d, scale, rng, rng_p, offset, qkv.shape, bias is not None)
-        ctx.source = source
+        ctx.source, ctx.docs, ctx.head = source, docs, head
         ctx.set_materialize_grads(False)  # a chunk without later chunks gets no k/v gradient: no zeros made for it
         return y, k_out, v_out
 
@@ -86,21 +95,36 @@ class PrefixAttentionFn(torch.autograd.Function):
         q, k, v, out, lse, cos, sin = ctx.saved_tensors
         s, b, w = shape
         go = g.reshape(s, b, nq, d).permute(1, 2, 0, 3)
-        dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale)
+        docs, head = ctx.docs, ctx.head
+        dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale, None if docs is None else _doc_bias(docs, q))
         pre = ctx.source.prefix()  # the same tensors as in the forward (the caller keeps them until this backward)
-        if pre is not None:
+        if pre is not None and head is None:
             kp, vp = pre
             dq_p, dkp, dvp = _flash_bwd(go, q, kp, vp, out, lse, rng_p, scale, causal=False)
             dq = dq + dq_p
+            ctx.source.add_grad(dkp, dvp)
+        elif pre is not None:  # only the tail's rows saw the prefix
+            dkp, dvp = _prefix_rows_bwd(dq, go, q, out, lse[..., :head], pre, rng_p, scale, head)
             ctx.source.add_grad(dkp, dvp)
         if gk is not None:  # the later chunks' gradients of this chunk's keys/values
             dk = dk + gk
         if gv is not None:
             dv = dv + gv
-        pos = torch.arange(offset, offset + s, device=q.device)
+        pos = torch.arange(offset, offset + s, device=q.device) if docs is None else docs.rope_positions()[0]
         dqkv = _unrotated(dq, dk, dv, cos, sin, pos).reshape(shape)
         db = dqkv.reshape(-1, w).sum(0) if has_bias else None
-        return dqkv, None, None, None, None, None, None, db
+        return dqkv, None, None, None, None, None, None, db, None, None
+
+
+def _prefix_rows_bwd(dq, go, q, out, lse, pre, rng, scale: float, rows: int):
+    """The prefix part's backward for the first ``rows`` queries only (``lse``: theirs), their dq added into
+    ``dq`` in place; returns the prefix keys'/values' gradients. The lse is laid out afresh for the prefix kernel
+    (the chunk's own, document-masked kernel may be another one)."""
+    lse = _aligned_rows(lse, rng)
+    dq_p, dkp, dvp = _flash_bwd(go[:, :, :rows], q[:, :, :rows], pre[0], pre[1], out[:, :, :rows], lse, rng, scale,
+                                causal=False)  # fmt: skip
+    dq[:, :, :rows] += dq_p
+    return dkp, dvp
 
 
 def _unrotated(dq, dk, dv, cos, sin, pos: torch.Tensor) -> torch.Tensor:
@@ -126,22 +150,31 @@ def _compact_backward(ctx, g: CompactGrad, gk, gv):
     go = g.rows.reshape(1, m, nq, d).permute(0, 2, 1, 3)
     qs, ks, vs, os_ = (_rows_at(t, pos, 1, m) for t in (q, k, v, out))
     lse_s = _aligned_rows(lse.index_select(2, pos), rng)
-    # causal over the kept rows' order = causal over their positions (queries and keys are the same rows)
-    dq, dk, dv = _flash_bwd(go, qs, ks, vs, os_, lse_s, rng, scale)
+    docs, head = ctx.docs, ctx.head
+    # causal over the kept rows' order = causal over their positions (queries and keys are the same rows); packed
+    # documents: the kept rows keep their document
+    mask = None if docs is None else _doc_bias(docs, q, pos.view(1, -1), key=g.meta)
+    dq, dk, dv = _flash_bwd(go, qs, ks, vs, os_, lse_s, rng, scale, mask)
     pre = ctx.source.prefix()
     if pre is not None:
         kept = ctx.source.kept()
         kp, vp = pre if kept is None else (pre[0].index_select(2, kept), pre[1].index_select(2, kept))
-        dq_p, dkp, dvp = _flash_bwd(go, qs, kp, vp, os_, lse_s, rng_p, scale, causal=False)
-        dq = dq + dq_p
+        if head is None:
+            dq_p, dkp, dvp = _flash_bwd(go, qs, kp, vp, os_, lse_s, rng_p, scale, causal=False)
+            dq = dq + dq_p
+        else:  # the tail's kept rows only (one host sync per chunk: the count, shared by every layer)
+            n = g.meta.derived(f"prefix_rows_{head}", lambda: int(torch.searchsorted(pos, head)))
+            lse_h = lse.index_select(2, pos[:n])
+            dkp, dvp = _prefix_rows_bwd(dq, go, qs, os_, lse_h, (kp, vp), rng_p, scale, n)
         ctx.source.add_grad(dkp, dvp, kept)
     if gk is not None:  # later chunks reached only this chunk's kept rows: the other rows' gradients are 0
         dk = dk + gk.index_select(2, pos)
     if gv is not None:
         dv = dv + gv.index_select(2, pos)
-    rows = _unrotated(dq, dk, dv, cos, sin, pos + offset).reshape(m, w)
+    at = pos + offset if docs is None else docs.rope_positions()[0].index_select(0, pos)
+    rows = _unrotated(dq, dk, dv, cos, sin, at).reshape(m, w)
     db = rows.sum(0) if has_bias else None
-    return CompactGrad(rows, g.meta, shape), None, None, None, None, None, None, db
+    return CompactGrad(rows, g.meta, shape), None, None, None, None, None, None, db, None, None
 
 
 def prefix_attention(
@@ -153,10 +186,16 @@ def prefix_attention(
     offset: int,
     source: PrefixSource,
     bias: torch.Tensor | None = None,
+    docs: DocSpans | None = None,
+    head: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [s, b, nq·d], k, v [b, nkv, s, d]): a chunk at positions [offset, offset + s) attending to ``source``'s
-    earlier keys/values and causally to its own; k (rotated) and v are this chunk's, for the later chunks."""
-    return PrefixAttentionFn.apply(qkv, nq, nkv, cos, sin, offset, source, bias)
+    earlier keys/values and causally to its own; k (rotated) and v are this chunk's, for the later chunks.
+    ``docs`` (b = 1, with ``head``): the chunk's rows [0, head) are the sequence's tail and the only ones that see
+    the prefix; the rest are packed documents (attention within each, RoPE at ``docs``' positions, which for the
+    tail's rows must already count from ``offset``)."""
+    assert (docs is None) == (head is None), "a packed last chunk names its documents and its tail's rows"
+    return PrefixAttentionFn.apply(qkv, nq, nkv, cos, sin, offset, source, bias, docs, head)
 
 
 def prefix_attention_reference(
@@ -170,18 +209,21 @@ def prefix_attention_reference(
     prefix_v: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
+    docs: DocSpans | None = None,
+    head: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same in plain torch (differentiable in every input, the prefix included): RoPE by rotate-half at the
     chunk's positions, keys = prefix ++ own, a lower-right causal mask, softmax in fp32 or wider. ``keep``
     ([P + s] bool, prefix then own positions): Collider's semantics, the attention's keys, values and score columns
-    of the other positions are cut from the graph (the caller masks the output gradient to the kept queries)."""
+    of the other positions are cut from the graph (the caller masks the output gradient to the kept queries).
+    ``docs``, ``head``: as in ``prefix_attention`` (own keys masked by document, the prefix seen by rows < head)."""
     if bias is not None:
         qkv = qkv + bias
     s, b, _ = qkv.shape
     d = qkv.shape[-1] // (nq + 2 * nkv)
     heads = qkv.view(s, b, nq + 2 * nkv, d).permute(1, 2, 0, 3)  # [b, H, s, d]
     acc = torch.promote_types(qkv.dtype, torch.float32)
-    pos = torch.arange(offset, offset + s, device=qkv.device)
+    pos = torch.arange(offset, offset + s, device=qkv.device) if docs is None else docs.rope_positions()[0]
     c, sn = cos[pos].to(acc), sin[pos].to(acc)
 
     def rot(x):
@@ -200,6 +242,9 @@ def prefix_attention_reference(
     p = keys.shape[2] - s
     key_pos, query_pos = torch.arange(keys.shape[2], device=qkv.device), p + torch.arange(s, device=qkv.device)
     allowed = key_pos[None, :] <= query_pos[:, None]
+    if docs is not None:
+        tail = torch.arange(s, device=qkv.device)[:, None] < head
+        allowed = torch.cat([tail.expand(s, p), docs.allowed()[0, 0]], 1)
     scores = (q @ keys.transpose(-1, -2)) * d**-0.5
     if keep is not None:
         scores = torch.where(keep[None, None, None, :], scores, scores.detach())

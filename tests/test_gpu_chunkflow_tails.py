@@ -1,0 +1,98 @@
+"""ChunkFlow's last chunk with packed short documents (decision 1233) on CUDA: the prefix attention with a document
+mask and the prefix seen by the tail's rows only (cuDNN bf16 with a mask bias, the memory-efficient kernel beside
+flash for the prefix when cuDNN is off, fp32) against the fp64 reference, dense and Collider's compact backward;
+and the packed chunked step against whole sequences (fp32, the dense and the collider one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megasparse.ops import attention as attn
+from megasparse.ops.attention import rope_tables
+from megasparse.ops.documents import DocSpans
+from megasparse.ops.prefix_attention import prefix_attention, prefix_attention_reference
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class _Source:
+    def __init__(self, k, v, rows=None):
+        self.k, self.v, self.rows, self.got = k, v, rows, None
+
+    def prefix(self):
+        return self.k, self.v
+
+    def add_grad(self, dk, dv, rows=None):
+        self.got = (dk, dv)
+
+    def kept(self):
+        return self.rows
+
+
+def _tail_docs(prefix: int, pieces: list[int], s: int) -> DocSpans:
+    """Piece 0 the tail (positions from ``prefix``), the others documents from 0, the rest one padding document."""
+    seg, pos = [], []
+    for i, n in enumerate(pieces + [s - sum(pieces)]):
+        seg += [i] * n
+        pos += [(prefix if i == 0 else 0) + t for t in range(n)]
+    return DocSpans(torch.tensor(seg, device="cuda").view(-1, 1), torch.tensor(pos, device="cuda").view(-1, 1))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cudnn", "tol"),
+    [(torch.bfloat16, True, 2e-2), (torch.bfloat16, False, 2e-2), (torch.float32, True, 1e-4)],
+    ids=["bf16-cudnn", "bf16-efficient+flash", "fp32-efficient"],
+)
+@pytest.mark.parametrize("compact", [False, True], ids=["dense", "collider"])
+def test_packed_last_chunk_prefix_attention_matches_fp64(monkeypatch, dtype, cudnn: bool, tol: float, compact: bool):
+    monkeypatch.setitem(attn._CUDNN, "ok", cudnn)
+    torch.manual_seed(5)
+    s, prefix, nq, nkv, d, pieces = 200, 328, 8, 2, 64, [77, 50, 40, 20]
+    head = pieces[0]
+    docs = _tail_docs(prefix, pieces, s)
+    cos, sin = rope_tables(prefix + s, d, 10000.0, "cuda")
+    qkv = torch.randn(s, 1, (nq + 2 * nkv) * d, device="cuda", dtype=dtype, requires_grad=True)
+    kp, vp = (torch.randn(1, nkv, prefix, d, device="cuda", dtype=dtype) for _ in range(2))
+    keep = torch.rand(prefix + s, device="cuda") < (0.5 if compact else 2.0)
+    keep[prefix] = keep[prefix + head] = True
+    own = keep[prefix:].nonzero()[:, 0]
+    src = _Source(kp, vp, keep[:prefix].nonzero()[:, 0] if compact else None)
+    y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, src, None, docs, head)
+    gy = torch.randn_like(y) * keep[prefix:, None, None]
+    if compact:
+        from megasparse.ops.compact import CompactGrad, KeepMeta
+
+        y.backward(CompactGrad(gy.view(s, -1)[own], KeepMeta(own, s), y.shape))
+    else:
+        y.backward(gy)
+    x = qkv.detach().double().requires_grad_()
+    k64, v64 = kp.double().requires_grad_(), vp.double().requires_grad_()
+    c64, s64 = cos.double(), sin.double()
+    ref = prefix_attention_reference(
+        x, nq, nkv, c64, s64, prefix, k64, v64, None, keep if compact else None, docs, head
+    )
+    ref[0].backward(gy.double())
+    assert _rel(y, ref[0]) < tol
+    got = qkv.grad.rows if compact else qkv.grad.view(s, -1)
+    assert _rel(got, x.grad.view(s, -1)[own]) < tol
+    at = src.rows if compact else slice(None)
+    assert _rel(src.got[0], k64.grad[:, :, at]) < tol and _rel(src.got[1], v64.grad[:, :, at]) < tol
+
+
+def test_packed_tail_chunked_step_matches_whole_sequences_on_cuda():
+    """The dense step (K = 1: the long sequence's earlier chunks rerun) and collider (K = 1 and 4), fp32."""
+    from distributed import run_distributed
+    from test_chunkflow import _check_filtered, _compare_filtered, _compare_packed
+
+    gpu = ("train.device=cuda", "train.dtype=fp32", "parallel.backend=nccl")
+    ((tok, grad, chunks, tail),) = run_distributed(_compare_packed, 1, "bias", gpu)
+    assert chunks == 8 and tail == 3 and tok < 1e-4 and grad < 1e-4, (tok, grad)
+    (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1, 4), True, gpu)
+    _check_filtered(res, tol=1e-4)
