@@ -171,9 +171,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.numel() else 0.0
 
 
-def checked_kernels(monkeypatch) -> list[dict]:
-    """Every attention kernel call of ``ops/attention.py`` (real kernels) is recomputed by the maths above from its own
-    inputs; returns the list each call appends to: {op, q, k, causal, bias, rel (worst output)}."""
+def checked_kernels(monkeypatch, real: dict | None = None) -> list[dict]:
+    """Every attention kernel call of ``ops/attention.py`` (the real kernels, or ``real``'s) is recomputed by the maths
+    above from its own inputs; returns the list each call appends to: {op, q, k, causal, bias, rel (worst output)}."""
     from megasparse.ops import attention as attn
 
     calls: list[dict] = []
@@ -183,22 +183,26 @@ def checked_kernels(monkeypatch) -> list[dict]:
 
         def run(*args, **kwargs):
             got = real(*args, **kwargs)
-            want = emulated(*args, **kwargs)
             backward = name.endswith("_backward")
-            if backward:
-                pairs = list(zip(got[:3], want[:3]))
-            else:  # out, and the lse rows of the queries (the memory-efficient kernel pads its lse)
-                s = args[0].shape[2]
-                pairs = [(got[0], want[0]), (got[1].reshape(*args[0].shape[:2], -1)[..., :s], want[1][..., :s])]
             q, k = args[1:3] if backward else args[:2]
-            calls.append(dict(op=name, q=tuple(q.shape), k=tuple(k.shape), causal=args[causal_at],
-                              bias=bias_at is not None and args[bias_at] is not None,
-                              rel=max(_rel(a, b) for a, b in pairs)))  # fmt: skip
+            call = dict(op=name, q=tuple(q.shape), k=tuple(k.shape), causal=args[causal_at],
+                        bias=bias_at is not None and args[bias_at] is not None)  # fmt: skip
+            try:  # never raise into the caller: ops/attention.py turns a kernel off on a RuntimeError
+                want = emulated(*args, **kwargs)
+                if backward:
+                    pairs = list(zip(got[:3], want[:3]))
+                else:  # out, and the lse rows of the queries (the memory-efficient kernel pads its lse)
+                    rows = lambda t: t.reshape(*q.shape[:2], -1)[..., : q.shape[2]]  # noqa: E731
+                    pairs = [(got[0], want[0]), (rows(got[1]), rows(want[1]))]
+                call["rel"] = max(_rel(a, b) for a, b in pairs)
+            except Exception as e:  # noqa: BLE001 - recorded as a failed call
+                call.update(rel=float("inf"), error=f"{type(e).__name__}: {e}")
+            calls.append(call)
             return got
 
         return run
 
-    ops = {n: check(n, getattr(torch.ops.aten, n), f) for n, f in EMULATED.items()}
+    ops = {n: check(n, (real or {}).get(n) or getattr(torch.ops.aten, n), f) for n, f in EMULATED.items()}
     monkeypatch.setattr(attn, "_ATEN", _Namespace(ops))
     return calls
 
@@ -224,3 +228,67 @@ def cuda_uniform(n: int, seed: int) -> torch.Tensor:
         x = np.float32(_philox((0, 0, i & _MASK32, i >> 32), key)[0] * 2.0**-32 + 2.0**-33)
         out[i] = 0.0 if x == 1.0 else x
     return torch.from_numpy(out)
+
+
+def checked_ops(monkeypatch, calls: list[dict]) -> None:
+    """The other GPU-only kernels of a bf16 layer, each call recomputed by its reference and appended to ``calls``
+    like ``checked_kernels``'s: the fp32-output GEMM accumulation (``ops/wgrad.accumulate_mm``, as the linear layers
+    and the losses import it; the GEMM loss's ``_mm_into``), RoPE's Triton kernel, the Triton RMSNorm and SwiGLU
+    backwards (the compact backward's gathered rows included)."""
+    from megasparse.loss import cce_gemm, materialized
+    from megasparse.ops import attention as attn
+    from megasparse.ops import prefix_attention as pa
+    from megasparse.ops import rmsnorm_kernels, rope_kernels, rowwise
+    from megasparse.parallel import layers
+
+    def note(op, a, b, rel):
+        calls.append(dict(op=op, q=tuple(a.shape), k=tuple(b.shape), causal=None, bias=False, rel=rel))
+
+    def accumulate(real):
+        def run(out, a, b):
+            before = out.detach().double().cpu()
+            real(out, a, b)
+            note("accumulate_mm", a, b, _rel(out.double().cpu() - before, a.double().cpu() @ b.double().cpu()))
+
+        return run
+
+    for mod in (layers, materialized, cce_gemm):
+        monkeypatch.setattr(mod, "accumulate_mm", accumulate(mod.accumulate_mm))
+    mm_into = cce_gemm._mm_into
+
+    def checked_mm_into(a, b, out):
+        got = mm_into(a, b, out)
+        note("cce_gemm._mm_into", a, b, _rel(got, a.double().cpu() @ b.double().cpu()))
+        return got
+
+    monkeypatch.setattr(cce_gemm, "_mm_into", checked_mm_into)
+
+    def rope(real):
+        def run(out, x, cos, sin, pos, inverse=False):
+            got = real(out, x, cos, sin, pos, inverse)
+            note("rope_into", x, pos, _rel(got, rope_kernels.rope_reference(x.double(), cos, sin, pos, inverse)))
+            return got
+
+        return run
+
+    for mod in (attn, pa):
+        monkeypatch.setattr(mod, "rope_into", rope(mod.rope_into))
+    rms_backward = rowwise.rms_backward
+
+    def checked_rms(x, w, g, eps, rows=None):
+        dx, dw = rms_backward(x, w, g, eps, rows=rows)
+        xs = x.reshape(-1, x.shape[-1]) if rows is None else x.reshape(-1, x.shape[-1]).index_select(0, rows)
+        rdx, rdw = rmsnorm_kernels.rms_backward_reference(xs.double(), w.double(), g.reshape(xs.shape).double(), eps)
+        note("rms_backward", g, w, max(_rel(dx.reshape(rdx.shape), rdx), _rel(dw, rdw)))
+        return dx, dw
+
+    monkeypatch.setattr(rowwise, "rms_backward", checked_rms)
+    glu_backward = rowwise.glu_backward_triton
+
+    def checked_glu(z, grad_out, kind="swiglu", rows=None):
+        dz = glu_backward(z, grad_out, kind, rows=rows)
+        zs = z if rows is None else z.index_select(0, rows)
+        note("glu_backward", grad_out, z, _rel(dz, rowwise._swiglu_bwd(zs.double(), grad_out.double())))
+        return dz
+
+    monkeypatch.setattr(rowwise, "glu_backward_triton", checked_glu)
