@@ -1,7 +1,8 @@
 """ChunkFlow on CUDA: the prefix attention's kernels (cuDNN bf16/fp16, flash bf16, memory-efficient fp32) against
 the fp64 reference (the dense backward and Collider's compact one), and a chunked step against whole sequences on
 one GPU (bf16 and fp32; with collider too, and excess selection) and through a two-GPU pipeline (fp32, NCCL; with
-collider too)."""
+collider too). Issue 30's open bf16 collider case has its diagnostics here (decision 1230): every kernel call of the
+failing run checked in fp64, and the run with one GPU path swapped at a time."""
 
 from __future__ import annotations
 
