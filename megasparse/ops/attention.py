@@ -55,6 +55,16 @@ def rope_tables(
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
+_ATEN = torch.ops.aten
+"""The kernels' namespace: tests/cuda_emulation.py swaps in emulated CUDA kernels (with ``_on_gpu``) so the CUDA
+branches below run on CPU, or wraps the real ones to check every call of a GPU run."""
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t``'s attention takes the CUDA kernels (the seam the emulation swaps)."""
+    return t.is_cuda
+
+
 _CUDNN = {"ok": True}
 """cuDNN attention is used on CUDA (bf16/fp16) until a call of it fails; then flash attention, with one warning."""
 
@@ -92,7 +102,7 @@ def _group_sum(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _doc_bias(docs: DocSpans, q: torch.Tensor, rows: torch.Tensor | None = None, key=None) -> torch.Tensor:
     """The documents' mask as the kernels' bias, memoised per micro-batch (every layer reads the same)."""
-    align = 16 if q.is_cuda else 1
+    align = 16 if _on_gpu(q) else 1
     return docs.derived(("bias", key, q.dtype, align), lambda: additive_bias(docs.allowed(rows), q.dtype, align))
 
 
@@ -105,25 +115,23 @@ def _flash_fwd(q, k, v, scale, bias=None, causal: bool = True):
     ``ops/prefix_attention.py``)."""
     masked = bias is not None
     causal = causal and not masked
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and (not masked or _CUDNN_BIAS["ok"]):
+    if _on_gpu(q) and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and (not masked or _CUDNN_BIAS["ok"]):
         # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007); it takes GQA's key/value
         # heads as they are (no repeated copies; fwd+bwd 2.84 -> 2.53 ms at b=4, 32/4 heads, decision 0010)
         try:
-            r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False, scale=scale)
+            r = _ATEN._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, causal, False, scale=scale)
             return r[0], r[1].view(r[1].shape[:3]), ("cudnn", r[6], r[7])
         except RuntimeError as e:
             (_cudnn_bias_off if masked else _cudnn_off)(e)
     k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not masked:
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    if _on_gpu(q) and q.dtype in (torch.bfloat16, torch.float16) and not masked:
+        r = _ATEN._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return r[0], r[1], ("flash", r[6], r[7])
-    if q.is_cuda:  # fp32 on GPU, or a document mask: efficient-attention path
+    if _on_gpu(q):  # fp32 on GPU, or a document mask: efficient-attention path
         full = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if masked else None
-        r = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, full, True, 0.0, causal, scale=scale)
+        r = _ATEN._scaled_dot_product_efficient_attention(q, k, v, full, True, 0.0, causal, scale=scale)
         return r[0], r[1], ("efficient", r[2], r[3])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
-    )
+    out, lse = _ATEN._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
     return out, lse, None
 
 
@@ -138,7 +146,7 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
         if g.stride() != out.stride():  # cuDNN wants dO laid out like O
             g = torch.empty_like(out).copy_(g)
         try:
-            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            return _ATEN._scaled_dot_product_cudnn_attention_backward(
                 g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], bias, None, None, s_q, s_k, 0.0, causal, scale=scale
             )[:3]
         except RuntimeError as e:  # flash's (or the efficient) backward takes cuDNN's out and lse as they are
@@ -146,16 +154,16 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
     nkv, heads = k.shape[1], q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
     if rng is not None and rng[0] in ("flash", "cudnn") and not masked:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_backward(
             g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, causal, rng[1], rng[2], scale=scale
         )
     elif rng is not None:
         full = bias.expand(q.shape[0], heads, s_q, s_k) if masked else None
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dq, dk, dv = _ATEN._scaled_dot_product_efficient_attention_backward(
             g, q, k, v, full, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], causal, scale=scale
         )[:3]
     else:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
             g, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
         )
     return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)

@@ -1,0 +1,67 @@
+"""The CUDA branches of the attention (``ops/attention.py``, ``ops/prefix_attention.py``) on CPU: the cuDNN, flash and
+memory-efficient kernels emulated with the contracts the real ones hold callers to (``tests/cuda_emulation.py``), so
+CPU CI runs the code a bf16 GPU run takes (kernel choice, lse layouts, GQA heads, the padded document bias) — here
+through ChunkFlow's collider step against whole-sequence collider, with the tokens the CUDA generator selects.
+
+Issue 30's bf16 collider case (0.996 off on an H100) passes this way: whatever breaks it on the GPU is inside a kernel
+(``tests/test_gpu_chunkflow.py`` checks every kernel call of that run), not in the branches taken around them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cuda_emulation import EMULATED, _philox, cuda_uniform, emulated_kernels
+from distributed import run_distributed
+from test_chunkflow import _check_filtered, _compare_filtered
+
+
+def _cuda_draws(scorer, loss, ref_loss=None, *, generator=None):
+    """``filtering.selection.score_tokens``'s random scores as the CUDA generator draws them."""
+    assert scorer == "random"
+    return cuda_uniform(loss.numel(), generator.initial_seed())
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_bf16_collider_on_chunks_through_the_cuda_branches(monkeypatch, kernel: str) -> None:
+    """cuDNN (documents with its bias), or flash with the memory-efficient kernel for documents (cuDNN refused): the
+    chunked step's compact backwards (prefix and packed chunks, kept rows of 1 to 8) equal whole-sequence collider."""
+    from megasparse.chunkflow import filter as chunk_filter
+    from megasparse.ops import attention as attn
+
+    counts = emulated_kernels(monkeypatch)
+    monkeypatch.setitem(attn._CUDNN, "ok", kernel == "cudnn")
+    monkeypatch.setattr(chunk_filter, "score_tokens", _cuda_draws)
+    (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), True, ("train.dtype=bf16",))
+    _check_filtered(res, tol=3e-2)
+    ran = {n.removeprefix("_scaled_dot_product_") for n, c in counts.items() if c}
+    if kernel == "cudnn":
+        assert ran == {"cudnn_attention", "cudnn_attention_backward"}
+    else:
+        assert ran == {"flash_attention", "flash_attention_backward"} | {
+            "efficient_attention",
+            "efficient_attention_backward",
+        }
+
+
+def test_emulated_flash_reads_the_lse_as_contiguous() -> None:
+    """The contract that broke an H100 run (decision 1230): a padded lse layout reaches flash's backward as wrong rows
+    here too, so the emulation catches a caller that pads it."""
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(4))
+    out, lse, *_ = EMULATED["_scaled_dot_product_flash_attention"](q, k, v, 0.0, True, False, scale=0.3)
+    args = (None, None, 5, 5, 0.0, True, None, None)
+    want = EMULATED["_scaled_dot_product_flash_attention_backward"](g, q, k, v, out, lse, *args, scale=0.3)
+    padded = torch.zeros(1, 2, 32, dtype=lse.dtype)[..., :5].copy_(lse)
+    got = EMULATED["_scaled_dot_product_flash_attention_backward"](g, q, k, v, out, padded, *args, scale=0.3)
+    assert torch.allclose(got[2][:, 0], want[2][:, 0]) and not torch.allclose(got[0][:, 1], want[0][:, 1])
+
+
+def test_cuda_uniform_is_philox() -> None:
+    """Philox4x32-10's published known answers (Random123's kat_vectors), and draws in [0, 1)."""
+    assert _philox((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    ones = (0xFFFFFFFF,) * 4
+    assert _philox(ones, ones[:2]) == (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)
+    pi = ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0))
+    assert _philox(*pi) == (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
+    u = cuda_uniform(100, 1234)
+    assert u.dtype == torch.float32 and 0 < u.min() and u.max() < 1 and len(set(u.tolist())) == 100
