@@ -8,11 +8,12 @@ the contracts the real ones hold callers to, and the CUDA generator's uniform dr
 * ``cuda_uniform``: what ``torch.rand(n, generator=g, device="cuda")`` draws after ``g.manual_seed(seed)`` (curand's
   Philox4x32-10 as torch's uniform kernel uses it), so a CPU run can select the tokens a GPU run selects.
 
-Contracts emulated (each one broke a GPU run once or is documented by torch): cuDNN takes GQA's key/value heads as they
-are, a [b, h, s, 1] lse and a causal mask from the top-left; flash wants equal head counts, returns a contiguous
-[b, h, s] lse and reads the lse back as contiguous whatever its strides (measured on an H100), and aligns a causal mask
-bottom-right; the memory-efficient kernel pads its lse rows to 32 and refuses an lse whose head stride is not a
-multiple of 32. Outputs are laid out like the real kernels' (cuDNN's like q, flash's and efficient's [b, s, h, d]).
+Contracts emulated (each one broke a GPU run once or is documented by torch): cuDNN refuses a sequence of length 1
+(torch's dispatcher never sends one: pytorch#138531), takes GQA's key/value heads as they are, a [b, h, s, 1] lse
+and a causal mask from the top-left; flash wants equal head counts, returns a contiguous [b, h, s] lse and reads the
+lse back as contiguous whatever its strides (measured on an H100), and aligns a causal mask bottom-right; the
+memory-efficient kernel pads its lse rows to 32 and refuses an lse whose head stride is not a multiple of 32.
+Outputs are laid out like the real kernels' (cuDNN's like q, flash's and efficient's [b, s, h, d]).
 """
 
 from __future__ import annotations
@@ -72,13 +73,20 @@ def _rng() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
 
 
+def _cudnn_lengths(q, k) -> None:
+    if q.shape[2] < 2 or k.shape[2] < 2:  # torch's dispatcher never sends these to cuDNN (pytorch#138531)
+        raise RuntimeError(f"cuDNN attention given a sequence of length {min(q.shape[2], k.shape[2])} (< 2)")
+
+
 def cudnn_fwd(q, k, v, bias, compute_lse, dropout_p, is_causal, debug, scale=None):
+    _cudnn_lengths(q, k)
     out, lse = attention_forward(q, k, v, scale, is_causal, bias)
     o = _like(q, out.shape, q.dtype).copy_(out)
     return (o, lse.float().unsqueeze(-1).contiguous(), None, None, q.shape[2], k.shape[2], *_rng(), None)
 
 
 def cudnn_bwd(g, q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale=None):
+    _cudnn_lengths(q, k)
     if tuple(lse.shape) != (*q.shape[:3], 1):
         raise RuntimeError(f"cuDNN backward: lse of shape {tuple(lse.shape)}, wants {(*q.shape[:3], 1)}")
     if g.stride(-1) != 1:

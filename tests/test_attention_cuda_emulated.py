@@ -24,7 +24,8 @@ def _cuda_draws(scorer, loss, ref_loss=None, *, generator=None):
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_bf16_collider_on_chunks_through_the_cuda_branches(monkeypatch, kernel: str) -> None:
     """cuDNN (documents with its bias), or flash with the memory-efficient kernel for documents (cuDNN refused): the
-    chunked step's compact backwards (prefix and packed chunks, kept rows of 1 to 8) equal whole-sequence collider."""
+    chunked step's compact backwards (prefix and packed chunks, kept rows of 1 to 8) equal whole-sequence collider,
+    and cuDNN never gets a sequence of length 1 (the emulation refuses it, as torch's dispatcher does)."""
     from megasparse.chunkflow import filter as chunk_filter
     from megasparse.ops import attention as attn
 
@@ -34,8 +35,9 @@ def test_bf16_collider_on_chunks_through_the_cuda_branches(monkeypatch, kernel: 
     (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1,), True, ("train.dtype=bf16",))
     _check_filtered(res, tol=3e-2)
     ran = {n.removeprefix("_scaled_dot_product_") for n, c in counts.items() if c}
-    if kernel == "cudnn":
-        assert ran == {"cudnn_attention", "cudnn_attention_backward"}
+    if kernel == "cudnn":  # a call of one row (a kept row, a one-row tail) takes flash; cuDNN stays on for the rest
+        assert ran == {"cudnn_attention", "cudnn_attention_backward", "flash_attention", "flash_attention_backward"}
+        assert attn._CUDNN["ok"] and attn._CUDNN_BIAS["ok"]
     else:
         assert ran == {"flash_attention", "flash_attention_backward"} | {
             "efficient_attention",
@@ -65,3 +67,32 @@ def test_cuda_uniform_is_philox() -> None:
     assert _philox(*pi) == (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
     u = cuda_uniform(100, 1234)
     assert u.dtype == torch.float32 and 0 < u.min() and u.max() < 1 and len(set(u.tolist())) == 100
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_row_calls_leave_cudnn_for_flash_or_the_efficient_kernel(monkeypatch, masked: bool) -> None:
+    """A compact backward of one kept row after a cuDNN forward: flash takes it (the efficient kernel under a
+    document mask, with the lse re-laid in its padded rows), the gradients equal the fp64 ones, cuDNN stays on."""
+    from cuda_emulation import attention_backward
+
+    from megasparse.ops import attention as attn
+
+    counts = emulated_kernels(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 6, 16, generator=gen).to(torch.bfloat16) for _ in range(3))
+    bias = torch.zeros(1, 1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    bias = bias.to(torch.bfloat16) if masked else None
+    out, lse, rng = attn._flash_fwd(q, k, v, 0.25, bias)
+    assert rng[0] == "cudnn"
+    row = slice(2, 3)  # one kept row: it attends to itself only (its keys are the kept rows)
+    g = torch.randn(1, 4, 1, 16, generator=gen).to(torch.bfloat16)
+    one = None if bias is None else bias[..., row, row]
+    lse1 = attn._aligned_rows(lse[..., row], rng)
+    got = attn._flash_bwd(g, q[:, :, row], k[:, :, row], v[:, :, row], out[:, :, row], lse1, rng, 0.25, one)
+    want = attention_backward(g, q[:, :, row], k[:, :, row], v[:, :, row], out[:, :, row], lse[..., row], 0.25,
+                              bias is None, one)  # fmt: skip
+    for a, b in zip(got, want):
+        assert torch.allclose(a.double(), b, atol=2e-2, rtol=2e-2)
+    assert counts["_scaled_dot_product_cudnn_attention_backward"] == 0
+    other = "efficient_attention_backward" if masked else "flash_attention_backward"
+    assert counts[f"_scaled_dot_product_{other}"] == 1 and attn._CUDNN["ok"] and attn._CUDNN_BIAS["ok"]

@@ -114,7 +114,8 @@ _BF16_COLLIDER = pytest.mark.xfail(
     "loss.impl=auto (fp32 on CUDA and bf16 on CPU pass). Ruled out on CPU (decision 1230): every CUDA branch around "
     "the kernels (cuDNN/flash/memory-efficient contracts emulated, the Triton RoPE/RMSNorm/SwiGLU/fused-CCE kernels "
     "interpreted, the GEMM loss) with the GPU's own token selection passes; test_bf16_collider_kernel_calls_on_cuda "
-    "and test_bf16_collider_bisect_on_cuda name the kernel or the path",
+    "and test_bf16_collider_bisect_on_cuda name the kernel or the path. Suspected cause fixed since, unconfirmed: "
+    "cuDNN was handed one-row compact backwards, which torch's dispatcher refuses (ops/attention.py: _cudnn_takes)",
     strict=False,
 )
 GPU_BF16 = ("train.device=cuda", "train.dtype=bf16", "parallel.backend=nccl")

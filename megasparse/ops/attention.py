@@ -91,6 +91,15 @@ def _cudnn_bias_off(e: Exception) -> None:
     )
 
 
+def _cudnn_takes(s_q: int, s_k: int) -> bool:
+    """Whether cuDNN gets a call of these lengths: never one of length 1 (or 0). torch's own SDPA dispatcher refuses
+    cuDNN for a key length of 1 (pytorch#138531: wrong results, pytorch#138529), and megasparse calls the kernel
+    directly, so it must refuse too: Collider's compact backward hands the kernels the kept rows, which can be one
+    (a short document keeping one token, the tail rows of a packed last chunk). Those calls take flash, or the
+    memory-efficient kernel under a document mask, with cuDNN's output and lse."""
+    return s_q > 1 and s_k > 1
+
+
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
     """GQA's shared key/value heads repeated to ``heads`` for the kernels that want them whole."""
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
@@ -115,7 +124,8 @@ def _flash_fwd(q, k, v, scale, bias=None, causal: bool = True):
     ``ops/prefix_attention.py``)."""
     masked = bias is not None
     causal = causal and not masked
-    if _on_gpu(q) and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and (not masked or _CUDNN_BIAS["ok"]):
+    if (_on_gpu(q) and q.dtype in (torch.bfloat16, torch.float16) and _CUDNN["ok"] and (not masked or _CUDNN_BIAS["ok"])
+            and _cudnn_takes(q.shape[2], k.shape[2])):  # fmt: skip
         # cuDNN: 1.6x flash's forward and backward on H100 at s=4096 (docs/decisions/0007); it takes GQA's key/value
         # heads as they are (no repeated copies; fwd+bwd 2.84 -> 2.53 ms at b=4, 32/4 heads, decision 0010)
         try:
@@ -142,7 +152,8 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
     s_q, s_k = q.shape[2], k.shape[2]
     masked = bias is not None
     causal = causal and not masked
-    if rng is not None and rng[0] == "cudnn" and _CUDNN["ok"] and (not masked or _CUDNN_BIAS["ok"]):
+    if (rng is not None and rng[0] == "cudnn" and _CUDNN["ok"] and (not masked or _CUDNN_BIAS["ok"])
+            and _cudnn_takes(s_q, s_k)):  # fmt: skip
         if g.stride() != out.stride():  # cuDNN wants dO laid out like O
             g = torch.empty_like(out).copy_(g)
         try:
@@ -159,6 +170,8 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
         )
     elif rng is not None:
         full = bias.expand(q.shape[0], heads, s_q, s_k) if masked else None
+        if rng[0] != "efficient":  # cuDNN's forward under a document mask: this kernel wants its own lse layout
+            lse = _aligned_rows(lse, ("efficient",))
         dq, dk, dv = _ATEN._scaled_dot_product_efficient_attention_backward(
             g, q, k, v, full, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], causal, scale=scale
         )[:3]

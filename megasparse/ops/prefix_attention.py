@@ -119,9 +119,11 @@ class PrefixAttentionFn(torch.autograd.Function):
 def _prefix_rows_bwd(dq, go, q, out, lse, pre, rng, scale: float, rows: int):
     """The prefix part's backward for the first ``rows`` queries only (``lse``: theirs), their dq added into
     ``dq`` in place; returns the prefix keys'/values' gradients. The lse is laid out afresh for the prefix kernel
-    (the chunk's own, document-masked kernel may be another one)."""
+    (the chunk's own, document-masked kernel may be another one); the output's rows are copied out of the chunk's
+    layout, so that cuDNN gets dO laid out like O (a view of the first rows keeps the whole chunk's strides)."""
     lse = _aligned_rows(lse, rng)
-    dq_p, dkp, dvp = _flash_bwd(go[:, :, :rows], q[:, :, :rows], pre[0], pre[1], out[:, :, :rows], lse, rng, scale,
+    out = out[:, :, :rows].contiguous()
+    dq_p, dkp, dvp = _flash_bwd(go[:, :, :rows], q[:, :, :rows], pre[0], pre[1], out, lse, rng, scale,
                                 causal=False)  # fmt: skip
     dq[:, :, :rows] += dq_p
     return dkp, dvp
@@ -164,9 +166,13 @@ def _compact_backward(ctx, g: CompactGrad, gk, gv):
             dq = dq + dq_p
         else:  # the tail's kept rows only (one host sync per chunk: the count, shared by every layer)
             n = g.meta.derived(f"prefix_rows_{head}", lambda: int(torch.searchsorted(pos, head)))
-            lse_h = lse.index_select(2, pos[:n])
-            dkp, dvp = _prefix_rows_bwd(dq, go, qs, os_, lse_h, (kp, vp), rng_p, scale, n)
-        ctx.source.add_grad(dkp, dvp, kept)
+            if n == 0:  # none of the tail's rows was kept: nothing reaches the prefix (no empty kernel call)
+                dkp = dvp = None
+            else:
+                lse_h = lse.index_select(2, pos[:n])
+                dkp, dvp = _prefix_rows_bwd(dq, go, qs, os_, lse_h, (kp, vp), rng_p, scale, n)
+        if dkp is not None:
+            ctx.source.add_grad(dkp, dvp, kept)
     if gk is not None:  # later chunks reached only this chunk's kept rows: the other rows' gradients are 0
         dk = dk + gk.index_select(2, pos)
     if gv is not None:
