@@ -1011,6 +1011,17 @@ def test_chunkflow_runs_eagerly_and_says_why() -> None:
         assert why is not None and "chunkflow.enabled" in why
 
 
+def test_banner_notes_collider_in_low_precision_on_gpu_is_unverified() -> None:
+    """Until the GPU exactness test of collider on chunks passes in bf16 (decision 1230), the banner says so there,
+    and only there."""
+    from megasparse.chunkflow.config import chunkflow_line
+
+    base = tiny(train__micro_batch_size=1) + ["chunkflow.enabled=true", "filter.mode=collider"]
+    for device, dtype, noted in (("cuda", "bf16", True), ("cuda", "fp32", False), ("cpu", "bf16", False)):
+        cfg = load_config(None, base + [f"train.device={device}", f"train.dtype={dtype}"])
+        assert ("decision 1230" in chunkflow_line(cfg)) == noted, (device, dtype)
+
+
 def test_pack_tails_is_one_flag_away() -> None:
     """``chunkflow.pack_tails`` (decision 1233) reaches the trainer's step: on (the default, with document
     attention) short sequences fill long sequences' last chunks and the fill rises; off, the old layout."""
