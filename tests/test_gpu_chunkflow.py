@@ -25,8 +25,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _Source:
-    def __init__(self, k, v):
-        self.k, self.v, self.got = k, v, None
+    def __init__(self, k, v, rows=None):
+        self.k, self.v, self.rows, self.got = k, v, rows, None
 
     def prefix(self):
         return None if self.k is None else (self.k, self.v)
@@ -35,7 +35,7 @@ class _Source:
         self.got = (dk, dv)
 
     def kept(self):
-        return getattr(self, "rows", None)
+        return self.rows
 
 
 @pytest.mark.parametrize(

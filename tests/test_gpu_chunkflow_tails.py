@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gpu_chunkflow import _rel, _Source
 
 from megasparse.ops import attention as attn
 from megasparse.ops.attention import rope_tables
@@ -16,24 +17,6 @@ from megasparse.ops.prefix_attention import prefix_attention, prefix_attention_r
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-class _Source:
-    def __init__(self, k, v, rows=None):
-        self.k, self.v, self.rows, self.got = k, v, rows, None
-
-    def prefix(self):
-        return self.k, self.v
-
-    def add_grad(self, dk, dv, rows=None):
-        self.got = (dk, dv)
-
-    def kept(self):
-        return self.rows
 
 
 def _tail_docs(prefix: int, pieces: list[int], s: int) -> DocSpans:
