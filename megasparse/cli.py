@@ -17,6 +17,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "build the bundled Shakespeare corpus, tokenizer, dataset",
     ),
+    "chunkflow": (
+        "megasparse.chunkflow.report",
+        "main",
+        "ChunkFlow's plan on a dataset: `chunkflow plan PREFIX --chunk-size C`",
+    ),
     "ref": ("megasparse.filtering.cli", "main", "reference losses: `ref score` (checkpoint) / `ref ngram`"),
     "profile-comm": ("megasparse.profile.cli", "main", "record every collective/P2P of a few steps"),
     "plan": ("megasparse.parallel.planner", "main", "pipeline layer-split planner with loss/embedding cost"),
