@@ -17,7 +17,9 @@ layers, 8 of them), ``4gpu_tinyllama_tp2pp2sp``, ``1gpu_8b4l`` (4 Llama-3-8B-sha
 on one GPU, where no multi-GPU machine is lent), and the pipeline halves of the 4-GPU layouts on two GPUs,
 ``2gpu_8b_pp2`` and ``2gpu_tinyllama_pp2`` (PP=2, no TP). Issue 33's real workload, the whole Llama-3-8B (32
 layers, seq 4096, global batch 32) on 4 GPUs: ``4gpu_8b32l`` (TP=2 × PP=2 + SP) and the same model as
-``4gpu_8b32l_tp2sp_dp2``, ``4gpu_8b32l_pp2_dp2`` and ``4gpu_8b32l_dp4`` (distributed optimizer), each its own JSON.
+``4gpu_8b32l_tp2sp_dp2``, ``4gpu_8b32l_pp2_dp2``, ``4gpu_8b32l_pp2v2_dp2`` (interleaved, 2 model chunks per rank,
+selective recompute, 14/18 layers: for micro-batch 2) and ``4gpu_8b32l_dp4`` (distributed optimizer), each its own
+JSON.
 In each, for every micro-batch size: the anchors of ``--anchors`` — megatron-core's GPTModel with flash attention
 (``mcore-sdpa``, ``benchmarks/mcore_anchor.py``, the anchor of ``vs mcore``) and torchtitan 0.2.2's own trainer
 with compile, bf16 and float8 (``torchtitan-bf16``, ``torchtitan-fp8``, ``benchmarks/titan_anchor.py``: FSDP over
@@ -105,6 +107,20 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
         4,
         ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.distributed_optimizer=true"],
     ),
+    # micro-batch 2 at PP 2 halves the micro-batches per step and doubles the bubble: the interleaved schedule takes
+    # it back, selective recompute and a lighter first rank (it holds more micro-batches in flight) fit the memory
+    "4gpu_8b32l_pp2v2_dp2": (
+        "configs/gpu_8b_tp2_pp2_sp.yaml",
+        4,
+        [
+            "parallel.tp=1",
+            "parallel.sequence_parallel=false",
+            "parallel.distributed_optimizer=true",
+            "parallel.virtual_stages=2",
+            "parallel.layer_split=[7,9,7,9]",
+            "model.recompute=selective",
+        ],
+    ),  # fmt: skip
     "4gpu_8b32l_dp4": (
         "configs/gpu_8b_tp2_pp2_sp.yaml",
         4,

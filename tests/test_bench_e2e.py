@@ -223,7 +223,7 @@ def test_whole_8b_layouts_are_llama3_8b_on_four_gpus() -> None:
     from megasparse.metrics import flops_per_token
 
     layouts = {}
-    for name in ("4gpu_8b32l", "4gpu_8b32l_tp2sp_dp2", "4gpu_8b32l_pp2_dp2", "4gpu_8b32l_dp4"):
+    for name in ("4gpu_8b32l", "4gpu_8b32l_tp2sp_dp2", "4gpu_8b32l_pp2_dp2", "4gpu_8b32l_pp2v2_dp2", "4gpu_8b32l_dp4"):
         cfg_path, gpus, ov = be.LAYOUTS[name]
         cfg = load_config(str(be.ROOT / cfg_path), ov + ["train.micro_batch_size=2", "train.device=auto"])
         cfg.validate(gpus)
@@ -233,7 +233,10 @@ def test_whole_8b_layouts_are_llama3_8b_on_four_gpus() -> None:
         assert p.distributed_optimizer == (p.tp * p.pp < 4)
         layouts[name] = (p.tp, p.pp, p.sequence_parallel)
     assert layouts == {"4gpu_8b32l": (2, 2, True), "4gpu_8b32l_tp2sp_dp2": (2, 1, True),
-                       "4gpu_8b32l_pp2_dp2": (1, 2, False), "4gpu_8b32l_dp4": (1, 1, False)}  # fmt: skip
+                       "4gpu_8b32l_pp2_dp2": (1, 2, False), "4gpu_8b32l_pp2v2_dp2": (1, 2, False),
+                       "4gpu_8b32l_dp4": (1, 1, False)}  # fmt: skip
+    v2 = load_config(str(be.ROOT / be.LAYOUTS["4gpu_8b32l_pp2v2_dp2"][0]), be.LAYOUTS["4gpu_8b32l_pp2v2_dp2"][2])
+    assert v2.parallel.virtual_stages == 2 and v2.model.recompute == "selective"
     assert ta.titan_param_count(m) == (8_030_261_248, 128256 * 4096)
     assert ta.titan_flops_per_token(m) == pytest.approx(flops_per_token(m, 128256), rel=1e-6)
     ns = be.parse_args(["4gpu_8b32l"])
