@@ -148,7 +148,8 @@ def _flash_fwd(q, k, v, scale, bias=None, causal: bool = True):
 def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True):
     """dq, dk, dv of causal attention on whatever rows are given (all, or the kept ones with their lse rows);
     dk, dv come back with k's and v's (GQA) head count. ``bias``: the document mask of these rows; ``causal``:
-    as in ``_flash_fwd``."""
+    as in ``_flash_fwd``. ``lse`` in any layout: each branch lays it out for the kernel it calls (``_aligned_rows``),
+    which may not be the forward's (a cuDNN forward, a flash or memory-efficient backward)."""
     s_q, s_k = q.shape[2], k.shape[2]
     masked = bias is not None
     causal = causal and not masked
@@ -156,9 +157,10 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
             and _cudnn_takes(s_q, s_k)):  # fmt: skip
         if g.stride() != out.stride():  # cuDNN wants dO laid out like O
             g = torch.empty_like(out).copy_(g)
+        stats = lse.contiguous().unsqueeze(-1)
         try:
             return _ATEN._scaled_dot_product_cudnn_attention_backward(
-                g, q, k, v, out, lse.unsqueeze(-1), rng[1], rng[2], bias, None, None, s_q, s_k, 0.0, causal, scale=scale
+                g, q, k, v, out, stats, rng[1], rng[2], bias, None, None, s_q, s_k, 0.0, causal, scale=scale
             )[:3]
         except RuntimeError as e:  # flash's (or the efficient) backward takes cuDNN's out and lse as they are
             (_cudnn_bias_off if masked else _cudnn_off)(e)
@@ -166,28 +168,31 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
     k, v = _expand(k, heads), _expand(v, heads)
     if rng is not None and rng[0] in ("flash", "cudnn") and not masked:
         dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_backward(
-            g, q, k, v, out, lse, None, None, s_q, s_k, 0.0, causal, rng[1], rng[2], scale=scale
+            g, q, k, v, out, _aligned_rows(lse, "flash"), None, None, s_q, s_k, 0.0, causal, rng[1], rng[2], scale=scale
         )
     elif rng is not None:
         full = bias.expand(q.shape[0], heads, s_q, s_k) if masked else None
-        if rng[0] != "efficient":  # cuDNN's forward under a document mask: this kernel wants its own lse layout
-            lse = _aligned_rows(lse, ("efficient",))
+        rows = _aligned_rows(lse, "efficient")
         dq, dk, dv = _ATEN._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, full, out, lse, rng[1], rng[2], 0.0, [True, True, True, False], causal, scale=scale
+            g, q, k, v, full, out, rows, rng[1], rng[2], 0.0, [True, True, True, False], causal, scale=scale
         )[:3]
     else:
         dq, dk, dv = _ATEN._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+            g, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=bias, scale=scale
         )
     return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
 
 
-def _aligned_rows(lse: torch.Tensor, rng) -> torch.Tensor:
-    """Gathered ``lse`` rows [b, h, m] as the backward kernel that ``rng`` names reads them: the memory-efficient
-    kernel's with the head stride rounded up to 32 elements (it refuses others: its forward pads to 32), every other
-    kernel's contiguous (flash ignores the strides of a padded layout and reads wrong rows: measured on H100)."""
-    if rng is None or rng[0] != "efficient":
+def _aligned_rows(lse: torch.Tensor, kernel) -> torch.Tensor:
+    """``lse`` rows [b, h, m] as ``kernel``'s backward reads them (a name, or a forward's rng state naming one): the
+    memory-efficient kernel's with the head stride a multiple of 32 elements (it refuses others: its forward pads to
+    32), every other kernel's contiguous (flash ignores the strides of a padded layout and reads wrong rows: measured
+    on H100). No copy when the rows are laid out so already (a forward's own lse)."""
+    name = kernel if isinstance(kernel, str) or kernel is None else kernel[0]
+    if name != "efficient":
         return lse.contiguous()
+    if lse.stride(-1) == 1 and lse.stride(1) % 32 == 0:
+        return lse
     b, h, m = lse.shape
     buf = lse.new_zeros(b, h, -(-m // 32) * 32)
     buf[..., :m] = lse
@@ -350,7 +355,7 @@ class AttentionFn(torch.autograd.Function):
             "attn_flat", lambda: (pos * b + torch.arange(b, device=pos.device)[:, None]).reshape(-1)
         )
         sub = [_rows_at(t, flat, b, m) for t in (q, k, v, out)]
-        lse_b = _aligned_rows(lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1)), rng)
+        lse_b = lse.gather(2, pos[:, None, :].expand(-1, lse.shape[1], -1))
         if docs is None:
             dq, dk, dv = _flash_bwd(go, *sub[:3], sub[3], lse_b, rng, scale)
             got = finish(dq, dk, dv, pos).reshape(-1, shape[-1])

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from megasparse.ops.attention import _aligned_rows, _doc_bias, _flash_bwd, _flash_fwd, _rotated, _rows_at
+from megasparse.ops.attention import _doc_bias, _flash_bwd, _flash_fwd, _rotated, _rows_at
 from megasparse.ops.compact import CompactGrad
 from megasparse.ops.documents import DocSpans
 from megasparse.ops.rope_kernels import rope_into
@@ -119,9 +119,9 @@ class PrefixAttentionFn(torch.autograd.Function):
 def _prefix_rows_bwd(dq, go, q, out, lse, pre, rng, scale: float, rows: int):
     """The prefix part's backward for the first ``rows`` queries only (``lse``: theirs), their dq added into
     ``dq`` in place; returns the prefix keys'/values' gradients. The lse is laid out afresh for the prefix kernel
-    (the chunk's own, document-masked kernel may be another one); the output's rows are copied out of the chunk's
-    layout, so that cuDNN gets dO laid out like O (a view of the first rows keeps the whole chunk's strides)."""
-    lse = _aligned_rows(lse, rng)
+    (``_flash_bwd``: the chunk's own, document-masked kernel may be another one); the output's rows are copied out
+    of the chunk's layout, so that cuDNN gets dO laid out like O (a view of the first rows keeps the whole chunk's
+    strides)."""
     out = out[:, :, :rows].contiguous()
     dq_p, dkp, dvp = _flash_bwd(go[:, :, :rows], q[:, :, :rows], pre[0], pre[1], out, lse, rng, scale,
                                 causal=False)  # fmt: skip
@@ -151,7 +151,7 @@ def _compact_backward(ctx, g: CompactGrad, gk, gv):
     m = pos.numel()
     go = g.rows.reshape(1, m, nq, d).permute(0, 2, 1, 3)
     qs, ks, vs, os_ = (_rows_at(t, pos, 1, m) for t in (q, k, v, out))
-    lse_s = _aligned_rows(lse.index_select(2, pos), rng)
+    lse_s = lse.index_select(2, pos)
     docs, head = ctx.docs, ctx.head
     # causal over the kept rows' order = causal over their positions (queries and keys are the same rows); packed
     # documents: the kept rows keep their document
