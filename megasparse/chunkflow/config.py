@@ -59,8 +59,6 @@ class ChunkFlowConfig:
             raise ConfigError(f"chunkflow.max_chunks_in_memory={self.max_chunks_in_memory} must be >= 1")
         if self.pipeline_schedule not in ("state_aware", "gpipe"):
             raise ConfigError(f"chunkflow.pipeline_schedule={self.pipeline_schedule!r}: use state_aware or gpipe")
-        if not isinstance(self.pack_tails, bool):
-            raise ConfigError(f"chunkflow.pack_tails={self.pack_tails!r} must be true or false")
         if self.sequences_in_flight < 1:
             raise ConfigError(f"chunkflow.sequences_in_flight={self.sequences_in_flight} must be >= 1")
         m, p, t = cfg.model, cfg.parallel, cfg.train
