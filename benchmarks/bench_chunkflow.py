@@ -37,8 +37,9 @@ Modes, each on the same data and model, every rank in the same process group:
   global batch (its time per real token does not depend on it: every sequence is its own padded micro-batch).
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
-``chunkflow``) at the others, each on its own set generated with that S (same shape, scaled) and the same chunk
-size (default: the first S / 4); ``mem_vs_first_length`` is a row's peak memory over the same mode's at the
+``chunkflow`` when ``--modes`` has it; the modes it names run even if ``--modes`` lacks them) at the others, each on
+its own set generated with that S (same shape, scaled) and the same chunk size (default: the first S / 4, so a call
+with one S of 65536 runs chunks of 16384); ``mem_vs_first_length`` is a row's peak memory over the same mode's at the
 first S (issue 30: ChunkFlow's within 10% when S doubles).
 
 A mode whose keys this checkout's config does not know is a row ``not available: ...``, not a crash; so is
@@ -335,7 +336,7 @@ def plan(a: argparse.Namespace, lay: dict, world: int) -> list[dict]:
         prefix = ensure_data(a, vocab, s)
         base_cfg, base_ov = _config(a, lay, prefix, s, [])
         base_cfg.validate(world)
-        modes = a.modes if i == 0 else [m for m in a.longer_modes if m in a.modes]
+        modes = a.modes if i == 0 else a.longer_modes
         train, _, _ = build_sequence_datasets(base_cfg.data, s, vocab)  # read once: the batch and the report
         dp = world // (base_cfg.parallel.tp * base_cfg.parallel.pp)
         batch = chunkflow_batch(a, base_cfg, train.lengths, dp) if "chunkflow" in modes else None
@@ -437,9 +438,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-length", default=None, help="S, the longest sequence and window (layout's); S1,S2,...: also")
     p.add_argument(
         "--longer-modes",
-        default="chunkflow",
-        help="the modes run at the second and later S (with "
-        "padded/selective or padded/full: packing with the recompute it needs to fit)",
+        default=None,
+        help="the modes run at the second and later S, whether or not --modes names them (default: chunkflow if "
+        "--modes has it; padded/selective or padded/full: packing with the recompute it needs to fit)",
     )
     p.add_argument("--docs", type=int, default=None, help="documents in the generated set (layout's default)")
     p.add_argument("--data-seed", type=int, default=0)
@@ -455,7 +456,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = parse_with_overrides(p, argv)
     a.max_lengths = [int(x) for x in str(a.max_length or LAYOUTS[a.layout]["max_length"]).split(",") if x]
     a.modes = [m for m in a.modes.split(",") if m]
-    a.longer_modes = [m for m in a.longer_modes.split(",") if m]
+    if a.longer_modes is None:
+        a.longer_modes = [m for m in ("chunkflow",) if m in a.modes]
+    else:
+        a.longer_modes = [m for m in a.longer_modes.split(",") if m]
     if a.chunk_size is None:  # one chunk size for every S: ChunkFlow's memory should not follow S
         a.chunk_size = a.max_lengths[0] // 4
     return a

@@ -59,9 +59,10 @@ class TrainConfig:
     The output layer and the loss stay bf16; 2:4 fc1/fc2 run fp8 GEMMs on their masked weights W ⊙ M (decision
     1001). Needs sm_89+ on CUDA; on CPU it runs an exact emulation (for tests)."""
     fp8_wgrad: bool = False
-    """The weight gradient's GEMM in fp8 too (e5m2 gradient × e4m3 input). Off: bf16, straight into the fp32
-    bucket, which was faster at every shape measured on H100 but one, all at micro-batch 1 (decision 1001); on for
-    larger token counts (micro-batch 2, seq 8192) to measure against it."""
+    """The weight gradient's GEMM in fp8 too (e5m2 gradient × e4m3 input), as torchao's float8 does. Off: bf16,
+    straight into the fp32 bucket; per layer on one H100 that was faster, most of all at TP 2 on collider's kept rows
+    (decision 1001). On the whole Llama-3-8B at PP 2 × DP 2 (tp 1) fp8 took 4% off the fp8 step on four H200s:
+    try it at tp 1. Off by default until the fp8 accuracy study has run with it (decision 1234)."""
     fp8_min_mnk: float = 4.0e10
     """On CUDA a linear runs fp8 only when rows · out · in of its smallest GEMM (the backward's kept rows under
     collider) reaches this: below it the casts cost more than the fp8 GEMM saves (H100 measurements, decision

@@ -440,6 +440,7 @@ def _compare_packed(kernel: str = "bias", overrides=()) -> tuple[float, float, i
         device=tr.device,
         eod=0,
         doc_kernel=kernel,
+        pack_tails=True,
     )
     per_tok, _, _, work = _chunked(tr, seqs)
     assert len(per_tok) == sum(len(s) - 1 for s in seqs)
@@ -523,7 +524,7 @@ def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dic
         tr = Trainer(_config(overrides + [o for o in v if o not in (WEIGHTED, PACKED)]))
         tr.chunkflow.source = _Fixed(_sequences())
         if PACKED in v:  # document attention on the stand-in data (its config refuses synthetic data): EOD id 0
-            tr.chunkflow.eod, tr.chunkflow.pack = 0, True
+            tr.chunkflow.eod, tr.chunkflow.pack, tr.chunkflow.pack_tails = 0, True, True
         if WEIGHTED in v:
             build = tr.chunkflow.schedule
             tr.chunkflow.schedule = lambda pp, sizes, keep, build=build: build(pp, sizes, keep, cost=COST)
@@ -605,7 +606,7 @@ def _compare_filtered(
         if pack:
             tr.chunkflow = ChunkFlowStep(
                 tr.model, _Fixed(seqs), chunk_size=C, per_step=len(seqs), keep=k, dp=1, dp_rank=0, device=tr.device,
-                eod=0, selection=tr.chunkflow.selection, reference=tr.chunkflow.reference,
+                eod=0, selection=tr.chunkflow.selection, reference=tr.chunkflow.reference, pack_tails=True,
             )  # fmt: skip
         assert (tr.chunkflow.reference is not None) == (scorer == "excess")
         before = densify_count()
@@ -1011,25 +1012,16 @@ def test_chunkflow_runs_eagerly_and_says_why() -> None:
         assert why is not None and "chunkflow.enabled" in why
 
 
-def test_banner_notes_collider_in_low_precision_on_gpu_is_unverified() -> None:
-    """Until the GPU exactness test of collider on chunks passes in bf16 (decision 1230), the banner says so there,
-    and only there."""
-    from megasparse.chunkflow.config import chunkflow_line
-
-    base = tiny(train__micro_batch_size=1) + ["chunkflow.enabled=true", "filter.mode=collider"]
-    for device, dtype, noted in (("cuda", "bf16", True), ("cuda", "fp32", False), ("cpu", "bf16", False)):
-        cfg = load_config(None, base + [f"train.device={device}", f"train.dtype={dtype}"])
-        assert ("decision 1230" in chunkflow_line(cfg)) == noted, (device, dtype)
-
-
 def test_pack_tails_is_one_flag_away() -> None:
-    """``chunkflow.pack_tails`` (decision 1233) reaches the trainer's step: on (the default, with document
-    attention) short sequences fill long sequences' last chunks and the fill rises; off, the old layout."""
+    """``chunkflow.pack_tails`` (decision 1233) reaches the trainer's step: on (with document attention) short
+    sequences fill long sequences' last chunks and the fill rises; off (the default), each long sequence pads its
+    last chunk."""
     from types import SimpleNamespace
 
     from megasparse.chunkflow.config import chunkflow_line
     from megasparse.chunkflow.step import chunk_step
 
+    assert load_config(None, tiny()).chunkflow.pack_tails is False
     fills = {}
     for tails in (True, False):
         ov = ["chunkflow.enabled=true", "data.document_attention=true", f"chunkflow.pack_tails={tails}"]

@@ -1,8 +1,9 @@
 """ChunkFlow on CUDA: the prefix attention's kernels (cuDNN bf16/fp16, flash bf16, memory-efficient fp32) against
 the fp64 reference (the dense backward and Collider's compact one), and a chunked step against whole sequences on
 one GPU (bf16 and fp32; with collider too, and excess selection) and through a two-GPU pipeline (fp32, NCCL; with
-collider too). Issue 30's open bf16 collider case has its diagnostics here (decision 1230): every kernel call of the
-failing run checked in fp64, and the run with one GPU path swapped at a time."""
+collider too). The bf16 collider case once failed on an H100 (0.996 relative off) until cuDNN stopped getting one-row
+calls (decision 1230); its diagnostics stay: every kernel call of that run checked in fp64, and the run with one GPU
+path swapped at a time, each of which must pass."""
 
 from __future__ import annotations
 
@@ -109,15 +110,6 @@ def test_prefix_attention_compact_backward_matches_fp64(monkeypatch, dtype, cudn
     assert _rel(src.got[0], k64.grad[:, :, src.rows]) < tol and _rel(src.got[1], v64.grad[:, :, src.rows]) < tol
 
 
-_BF16_COLLIDER = pytest.mark.xfail(
-    reason="open (issue 30): on an H100 the bf16 collider chunked step's gradients were 0.996 relative off with "
-    "loss.impl=auto (fp32 on CUDA and bf16 on CPU pass). Ruled out on CPU (decision 1230): every CUDA branch around "
-    "the kernels (cuDNN/flash/memory-efficient contracts emulated, the Triton RoPE/RMSNorm/SwiGLU/fused-CCE kernels "
-    "interpreted, the GEMM loss) with the GPU's own token selection passes; test_bf16_collider_kernel_calls_on_cuda "
-    "and test_bf16_collider_bisect_on_cuda name the kernel or the path. Suspected cause fixed since, unconfirmed: "
-    "cuDNN was handed one-row compact backwards, which torch's dispatcher refuses (ops/attention.py: _cudnn_takes)",
-    strict=False,
-)
 GPU_BF16 = ("train.device=cuda", "train.dtype=bf16", "parallel.backend=nccl")
 
 
@@ -125,8 +117,8 @@ GPU_BF16 = ("train.device=cuda", "train.dtype=bf16", "parallel.backend=nccl")
     ("dtype", "tol", "loss"),
     [
         ("fp32", 1e-4, "auto"),
-        pytest.param("bf16", 3e-2, "auto", marks=_BF16_COLLIDER),
-        pytest.param("bf16", 3e-2, "materialized", marks=_BF16_COLLIDER),
+        ("bf16", 3e-2, "auto"),
+        ("bf16", 3e-2, "materialized"),
     ],
 )
 def test_collider_chunked_step_matches_whole_sequence_collider_on_cuda(dtype: str, tol: float, loss: str):
@@ -143,14 +135,14 @@ def test_cuda_uniform_matches_the_cuda_generator():
     the tokens a GPU run selects)."""
     from cuda_emulation import cuda_uniform
 
-    for seed, n in ((1234, 3), (1234003702 * 1_000_003 + 60042, 14), (7, 200)):
+    for seed, n in ((1234, 3), (1234003702 * 1_000_003 + 60042, 14), (7, 200), (7, 1000)):
         gen = torch.Generator(device="cuda")
         gen.manual_seed(seed)
         assert torch.equal(torch.rand(n, generator=gen, device="cuda").cpu(), cuda_uniform(n, seed)), (seed, n)
 
 
 def test_bf16_collider_kernel_calls_on_cuda(monkeypatch):
-    """The failing bf16 collider comparison with every attention kernel call (cuDNN, flash, memory-efficient) and every
+    """The bf16 collider comparison with every attention kernel call (cuDNN, flash, memory-efficient) and every
     GEMM accumulation, RoPE, RMSNorm and SwiGLU backward recomputed in fp64 from the call's own inputs: a call off by
     more than bf16 rounding is named with its shapes (issue 30)."""
     from cuda_emulation import checked_kernels, checked_ops
@@ -185,10 +177,9 @@ _BISECT = {
 }
 
 
-@pytest.mark.xfail(reason="issue 30 diagnosis: prints which path changes the bf16 collider result", strict=False)
 def test_bf16_collider_bisect_on_cuda(monkeypatch, capsys):
-    """The failing comparison with one GPU path swapped at a time; prints a table (run with -s or -rA): the variants
-    that pass name the path at fault."""
+    """The bf16 collider comparison with one GPU path swapped at a time, each within tolerance; prints a table (run
+    with -s or -rA): should the comparison fail again, the variants that pass name the path at fault."""
     import torch.nn.functional as F
     from distributed import run_distributed
     from test_chunkflow import _compare_filtered

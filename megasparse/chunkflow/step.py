@@ -64,7 +64,7 @@ class ChunkFlowStep:
                  p2p: StageComm | None = None, selection: ChunkSelection | None = None,
                  schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware,
                  doc_kernel: str = "bias", reference: ChunkReference | None = None,
-                 pack_tails: bool = True):  # fmt: skip
+                 pack_tails: bool = False):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
