@@ -19,12 +19,13 @@ COLLIDER = ["filter.mode=collider", "filter.scorer=loss", "filter.keep_ratio=0.5
 SPARSE = ["sparsity.enabled=true", "sparsity.refresh_interval=2", "sparsity.decay=1e-2"]
 
 
-def train(overrides: list[str], steps: int) -> dict:
+def train(overrides: list[str], steps: int, watch_decay: bool = False) -> dict:
     from megasparse.config import load_config
     from megasparse.parallel.consolidate import full_state_dict
     from megasparse.train import Trainer
 
     tr = Trainer(load_config(None, BASE + overrides))
+    decay = watch_masked_decay(tr) if watch_decay else None
     results = [tr.train_step() for _ in range(steps)]
     opt = tr.dp_opt.optimizer
     pending = bool(getattr(opt, "works", None)) and any(w is not None for w in opt.works)
@@ -40,7 +41,41 @@ def train(overrides: list[str], steps: int) -> dict:
         "overlapped": tr.dp_opt.buckets.overlapped,
         "pending_after_step": pending,
         "waited_in_forward": waited,
+        "decay": decay,
     }
+
+
+def watch_masked_decay(tr) -> dict:
+    """Check every step's masked decay against the bucket layout (not the optimizer's ``owned_range``): this DP
+    rank's chunk of each 2:4 weight's gradient gains exactly λ·¬M⊙W, the rest of the gradient stays as it was."""
+    conv, buckets = tr.sparsity, tr.dp_opt.buckets
+    seen = {"exact": [], "decayed": 0, "owned": 0, "split": 0}
+    hook = conv.pre_optimizer_step
+
+    def chunk(w: torch.nn.Parameter) -> tuple[int, int]:
+        k = next(i for i, p in enumerate(buckets.params) if p is w)
+        b = buckets.bucket_of[k]
+        a, e = b.ranges[next(i for i, p in enumerate(b.params) if p is w)]
+        lo, hi = b.shard(buckets.rank, buckets.dp) if buckets.shard_grads else (0, b.numel)
+        return max(a, lo) - a, max(min(e, hi) - a, max(a, lo) - a)
+
+    def watched(optimizer=None) -> None:
+        mgr = conv.manager
+        before = {n: w.main_grad.detach().clone().view(-1) for n, w in mgr.weights.items()}
+        hook(optimizer)
+        for n, w in mgr.weights.items():
+            s, e = chunk(w)
+            want = before[n].clone()
+            if mgr.sparse:
+                want[s:e].addcmul_(w.detach().view(-1)[s:e], ~mgr.masks[n].view(-1)[s:e], value=mgr.cfg.decay)
+            got = w.main_grad.view(-1)
+            seen["exact"].append(torch.equal(got, want))
+            seen["decayed"] += int((got != before[n]).sum())
+            seen["owned"] += e - s
+            seen["split"] += 0 < e - s < w.numel()
+
+    conv.pre_optimizer_step = watched
+    return seen
 
 
 @functools.cache
@@ -86,10 +121,23 @@ def test_dp2_tp2_sharded_overlapped_matches_single_process(filtering):
 
 
 @pytest.mark.slow
-def test_dp2_sharded_with_sparse24_matches_single_process():
-    """The masked decay writes the bucket's gradients; the mask refresh reads the gathered weights."""
-    r = run_distributed(train, 2, [*SHARDED, *SPARSE], STEPS)[0]
-    assert_matches(r, single(tuple(SPARSE)))
+def test_dp2_sharded_with_sparse24_matches_replicated_and_single_process():
+    """The masked decay writes only this rank's chunk of the bucket's gradients (the part its step reads); the mask
+    refresh reads the gathered weights. A decay skipped, or put where the step does not read it, fails here."""
+    sharded = run_distributed(train, 2, [*SHARDED, *SPARSE], STEPS, True)
+    replicated = run_distributed(train, 2, [*BUCKETS, *SPARSE], STEPS, True)[0]
+    ref = single(tuple(SPARSE))
+    assert_matches(replicated, ref)
+    for r in sharded:
+        assert_matches(r, ref)
+        assert_matches(r, replicated)
+        d = r["decay"]
+        assert all(d["exact"]) and d["decayed"] > 0, d
+        assert d["split"] > 0  # some 2:4 weight straddles the two ranks' chunks
+    # the ranks' chunks tile every weight once, at every step; replicated, each rank decays whole weights
+    rep = replicated["decay"]
+    assert sharded[0]["decay"]["owned"] + sharded[1]["decay"]["owned"] == rep["owned"] > 0
+    assert all(rep["exact"]) and rep["split"] == 0
 
 
 @pytest.mark.slow

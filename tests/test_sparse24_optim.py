@@ -1,6 +1,6 @@
 """The fused 2:4 optimizer step (sparse24/optim.py): its reference is torch's AdamW on the masked-decayed gradient,
 its Triton kernel (TRITON_INTERPRET=1 on CPU, compiled on a GPU) matches the reference, and a GPU run with it trains
-like the run without it."""
+like the run without it. The unfused path's masked-decay pass (sparse24/decay.py) matches its torch reference."""
 
 from __future__ import annotations
 
@@ -39,6 +39,41 @@ def test_reference_is_torch_adamw_on_the_masked_decayed_gradient():
 
 
 def _check(device: str = "cpu") -> None:
+    """Both kernels (the interpreter runs this once: one subprocess)."""
+    _check_adamw(device)
+    _check_decay(device)
+
+
+def _check_decay(device: str = "cpu") -> None:
+    from megasparse.sparse24.decay import masked_decay_reference, masked_decay_triton
+
+    lam = 2e-2
+    for n in (1, 777, 4097, 9001):
+        for wdt in (torch.bfloat16, torch.float32):
+            gen = torch.Generator(device=device).manual_seed(n)
+            full = torch.randn(n + 5, generator=gen, device=device)
+            w = torch.randn(n, generator=gen, device=device).to(wdt)
+            mask = torch.rand(n, generator=gen, device=device) < 0.5
+            before = full.clone()
+            g0 = before[3 : 3 + n]  # an odd offset into a larger buffer, like a DP rank's owned chunk
+            want = g0.double() + lam * w.double() * (~mask).double()
+            masked_decay_triton(full[3 : 3 + n], w, mask, lam)
+            got = full[3 : 3 + n]
+            bound = 2**-22 * (g0.double().abs() + lam * w.double().abs()) + 1e-30
+            assert ((got.double() - want).abs() <= bound).all(), (n, wdt)
+            assert torch.equal(got[mask], g0[mask]) and not torch.equal(got, g0)  # kept entries untouched
+            assert torch.equal(full[:3], before[:3]) and torch.equal(full[3 + n :], before[3 + n :])  # only the slice
+            ref = g0.clone()
+            masked_decay_reference(ref, w, mask, lam)
+            if device == "cpu":  # the interpreter rounds like torch's CPU addcmul_: bit for bit
+                assert torch.equal(got, ref), (n, wdt)
+            else:  # a CUDA addcmul_ may fuse the multiply into the add: within a rounding
+                assert ((got - ref).abs() <= 2**-23 * (ref.abs() + lam * w.float().abs())).all(), (n, wdt)
+    with pytest.raises(ValueError, match="bool M"):
+        masked_decay_triton(torch.zeros(4, device=device), torch.zeros(4, device=device), torch.ones(4), lam)
+
+
+def _check_adamw(device: str = "cpu") -> None:
     from megasparse.sparse24.optim import masked_adamw_
 
     for n in (1, 777, 5000):
@@ -71,7 +106,25 @@ def test_kernel_matches_reference_under_interpreter() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernel_on_gpu() -> None:
-    _check("cuda")
+    _check_adamw("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decay_kernel_on_gpu_matches_reference_and_allocates_nothing() -> None:
+    from megasparse.sparse24.decay import masked_decay_
+
+    _check_decay("cuda")
+    n = 1 << 24  # the torch reference's ~M alone would be 16 MiB
+    g, w = torch.randn(n, device="cuda"), torch.randn(n, device="cuda").bfloat16()
+    mask = torch.rand(n, device="cuda") < 0.5
+    masked_decay_(g, w, mask, 1e-2)  # compiled before the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    masked_decay_(g, w, mask, 1e-2)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < n // 8
 
 
 def _train(fused: bool) -> dict:

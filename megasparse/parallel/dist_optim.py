@@ -88,6 +88,11 @@ class DistributedAdamW:
                 init_state[view]["exp_avg_sq"] = v[s - lo : e - lo]
                 mine.append((i, s, e, view))
             self.pieces.append(mine)
+        self._owned = {id(p): (0, 0) for b in buckets.buckets for p in b.params}
+        for b, mine in zip(buckets.buckets, self.pieces):
+            for i, s, e, _ in mine:  # a parameter is contiguous and so is the chunk: one range each
+                a = b.ranges[i][0]
+                self._owned[id(b.params[i])] = (s - a, e - a)
         self.inner = torch.optim.AdamW(
             [{"params": ps, "weight_decay": wd} for ps, (_, wd) in zip(pieces, groups)], **self.hyper
         )
@@ -105,6 +110,15 @@ class DistributedAdamW:
     def state_bytes(self) -> int:
         """Bytes of fp32 master weights and AdamW moments this rank holds."""
         return sum(3 * m.numel() * 4 for m in self.masters)
+
+    def owned_range(self, p: nn.Parameter) -> tuple[int, int]:
+        """[start, end) of ``p``'s flattened elements this rank steps ((0, 0): another rank owns them all). Only
+        that part of ``p.main_grad`` is reduced here and read by the step, so per-step gradient work (the 2:4
+        masked decay) need touch nothing else."""
+        try:
+            return self._owned[id(p)]
+        except KeyError:
+            raise KeyError(f"a {tuple(p.shape)} parameter is not in this optimizer's gradient buckets") from None
 
     # -- the step -----------------------------------------------------------------------------------------------------
     @torch.no_grad()

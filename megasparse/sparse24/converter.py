@@ -73,10 +73,11 @@ class Sparse24Converter:
     def pre_optimizer_step(self, optimizer=None) -> None:
         """Masked decay of the pruned weights, added to the gradients the optimizer is about to use; with a fused
         CUDA AdamW, the sparse weights' whole step instead (decay, AdamW and their bf16 copy in one kernel,
-        ``optim.py``), and the optimizer's own step skips them."""
+        ``optim.py``), and the optimizer's own step skips them. An optimizer that steps only part of each gradient
+        (the distributed one) names that part with ``owned_range``, and only it is decayed (decision 1236)."""
         if optimizer is not None and self.fused is not None and self.fused.step(optimizer):
             return
-        self.manager.apply_masked_decay()
+        self.manager.apply_masked_decay(getattr(optimizer, "owned_range", None))
 
     def post_optimizer_step(self, step: int) -> dict:
         """After optimizer step ``step`` (1-based): refresh masks on schedule; metrics for the step's log line."""

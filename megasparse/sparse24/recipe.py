@@ -4,16 +4,19 @@ flip rate, dense fine-tuning and checkpointable state.
 The trainer drives it through ``converter.py`` (``Sparse24Converter``); the step protocol (one optimizer step):
 
     loss.backward()                      # sparse24_linear with manager.state(name)
-    manager.apply_masked_decay()         # before the optimizer
+    manager.apply_masked_decay()         # before the optimizer (a sharded one: apply_masked_decay(its owned_range))
     optimizer.step()
     metrics.update(manager.after_step(step))   # step = number of completed optimizer steps
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megasparse.sparse24.config import SparsityConfig
+from megasparse.sparse24.decay import masked_decay_
 from megasparse.sparse24.linear import Sparse24Weight
 from megasparse.sparse24.masks import check_cusparselt_shape, check_mask_shape, transposable_mask
 
@@ -66,8 +69,12 @@ class SparsityManager:
 
     # -- per step --------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def apply_masked_decay(self) -> None:
-        """grad += λ·(¬M ⊙ W) for every sparse weight (into ``main_grad`` when the optimizer uses one)."""
+    def apply_masked_decay(self, owned: Callable[[torch.nn.Parameter], tuple[int, int]] | None = None) -> None:
+        """grad += λ·(¬M ⊙ W) for every sparse weight (into ``main_grad`` when the optimizer uses one).
+
+        ``owned(w)``: the [start, end) of w's flattened elements whose gradient the optimizer step reads (a
+        distributed optimizer's own chunk, ``DistributedAdamW.owned_range``); the decay touches only those, since
+        the rest of the gradient is never read. None: whole tensors."""
         if not self.sparse or self.cfg.decay == 0.0:
             return
         for name, w in self.weights.items():
@@ -76,9 +83,12 @@ class SparsityManager:
                 if w.grad is None:
                     w.grad = torch.zeros_like(w)
                 g = w.grad
-            # one fused pass (g += λ·W·¬M) instead of a masked fp32 copy of W and an add: 15 instead of 21 bytes per
-            # weight element, and no weight-sized temporary
-            g.addcmul_(w.detach(), ~self.masks[name], value=self.cfg.decay)
+            lo, hi = (0, w.numel()) if owned is None else owned(w)
+            if lo < hi:  # flat views (``view`` refuses to copy: the decay must land in the gradient itself)
+                flat = slice(lo, hi)
+                masked_decay_(
+                    g.view(-1)[flat], w.detach().view(-1)[flat], self.masks[name].view(-1)[flat], self.cfg.decay
+                )
 
     @torch.no_grad()
     def after_step(self, step: int) -> dict[str, float]:
