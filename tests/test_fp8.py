@@ -62,6 +62,48 @@ def _check() -> None:
     x[4, 5] = float("inf")
     _, _, s = quantize_triton(x, E4M3, "row")
     assert s[4].isnan() and s[torch.arange(9) != 4].isfinite().all()
+    _check_masked(quantize_triton)
+
+
+def _masked_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(W, M) pairs: odd shapes with random masks, a transposable 2:4 mask, bf16 and fp32, and pruned values huge
+    next to tiny kept ones (masking after scaling would overflow them to inf, and inf·0 is NaN)."""
+    from megasparse.sparse24.masks import transposable_mask
+
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for shape in ((37, 24), (5, 130), (24, 36)):
+        w = torch.randn(*shape, generator=g) * torch.logspace(-3, 2, shape[1])
+        out.append((w, torch.rand(*shape, generator=g) < 0.5))
+    w = torch.randn(24, 36, generator=g)
+    out.append((w, transposable_mask(w)))
+    tiny_kept = torch.randn(12, 20, generator=g) * 1e-30
+    m = transposable_mask(torch.randn(12, 20, generator=g))
+    out.append((torch.where(m, tiny_kept, torch.full_like(tiny_kept, -3e7)), m))
+    return out + [(w.to(torch.bfloat16), m) for w, m in out[:3]]
+
+
+def _check_masked(quantize_triton) -> None:
+    """The masked casts equal the casts of the product W * M bit for bit (-0 where a negative value is pruned),
+    every axis, both formats, with and without the padded transpose."""
+    for fmt in (E4M3, E5M2):
+        for axis in ("tensor", "row", "col"):
+            for w, m in _masked_cases():
+                pad = -(-w.shape[0] // 16) * 16
+                q, qt, s = quantize_triton(w, fmt, axis, transpose=True, pad_to=pad, mask=m)
+                q_ref, s_ref = quantize_reference(w * m, fmt, axis)
+                qt_ref, _ = quantize_reference(w * m, fmt, axis, transpose=True, pad_to=pad)
+                assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(_bits(qt), _bits(qt_ref)), (fmt, axis)
+                assert torch.equal(s, s_ref) and s.isfinite().all(), (fmt, axis, tuple(w.shape), w.dtype)
+                assert torch.equal(_bits(quantize_reference(w, fmt, axis, mask=m)[0]), _bits(q_ref))
+    assert (_bits(q) == 0x80).any()  # pruned negatives are -0, as in the product
+    for recipe in RECIPES:  # a 2:4 layer's fp8 copies from (W, M) equal those of its W ⊙ M
+        w, m = _masked_cases()[3]
+        a = Fp8Gemm(torch.nn.Parameter(w), recipe, source=lambda w=w, m=m: (w, m))
+        b = Fp8Gemm(torch.nn.Parameter(w), recipe, source=lambda w=w, m=m: (w * m, None))
+        a.refresh(), b.refresh()
+        for x, y in ((a.w8, b.w8), (a.w8t, b.w8t), (a.sw, b.sw), (a.swt, b.swt)):
+            assert torch.equal(x.view(torch.uint8) if x.dim() == 2 else x, y.view(torch.uint8) if y.dim() == 2 else y)
 
 
 @needs_interpreter
@@ -286,32 +328,75 @@ def test_config_rejects_unknown_fp8_mode() -> None:
         load_config(None, ["train.fp8=e4m3"])
 
 
+def _old_weight_and_mask(self):
+    """The fp8 source before decision 1235: the product W * M (a weight-sized temporary), then its casts."""
+    if self.param.dtype != self.dtype:
+        return self._copy(), None
+    m = self._copy_mask()
+    return (self.param.detach() if m is None else self.param.detach() * m), None
+
+
 def _with_sparsity() -> dict:
+    """2:4 + tensorwise fp8 for 3 steps in the 8B runs' layout (bf16 parameters under the distributed optimizer), then
+    the same run with the fp8 copies quantised from the product W * M as before; and fp32 masters with bf16 compute."""
+    from unittest import mock
+
     from megasparse.config import load_config
+    from megasparse.sparse24.converter import GemmAutotune
+    from megasparse.sparse24.gemm import Sparse24Gemm
     from megasparse.train import Trainer
 
     ov = tiny(train__steps=12, model__num_layers=2) + ["train.fp8=tensorwise", "sparsity.enabled=true"]
-    tr = Trainer(load_config(None, ov))
-    losses = [tr.train_step().loss for _ in range(2)]  # still in the sparse phase (the dense fine-tune is the last 1/6)
-    assert tr.sparsity.manager.sparse
-    sparse = {n: lin.gemm for n, lin in tr.model.linears().items() if hasattr(lin.gemm, "masked_weight")}
-    masks_hold = all(
-        bool(((g.fp8.w8.float() != 0) <= (tr.sparsity.manager.masks[n] != 0)).all()) for n, g in sparse.items()
-    )  # the fp8 copy is made from W ⊙ M: zero wherever the mask is
+    bf16 = ["train.dtype=bf16", "parallel.distributed_optimizer=true"]
+
+    def run(extra: list[str]):
+        tr = Trainer(load_config(None, ov + extra), init_groups=not torch.distributed.is_initialized())
+        losses = [tr.train_step().loss for _ in range(3)]  # still sparse (the dense fine-tune is the last 1/6)
+        return tr, losses, {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+
+    tr, losses, weights = run(bf16)
+    with mock.patch.object(Sparse24Gemm, "weight_and_mask", _old_weight_and_mask):
+        _, old_losses, old_weights = run(bf16)
+    masters, _, _ = run(["train.dtype=bf16"])
+    masks = masters.sparsity.manager.masks
+    mgr = tr.sparsity.manager
+    sparse = {n: lin.gemm for n, lin in tr.model.linears().items() if isinstance(lin.gemm, Sparse24Gemm)}
+    tune = GemmAutotune(list(sparse.values()))
+    for step in range(1, 10):
+        tune.tick(step)
     return {
         "losses": losses,
+        "same_as_before": losses == old_losses and all(torch.equal(weights[n], old_weights[n]) for n in weights),
         "fp8": sorted(tr.fp8.gemms),
         "sparse_fp8": sorted(n for n, g in sparse.items() if g.fp8 is not None),
-        "masks_hold": masks_hold,
+        "masks_hold": all(bool(((g.fp8.w8.float() != 0) <= mgr.masks[n]).all()) for n, g in sparse.items()),
         "kept": dict(tr.fp8.skipped),
+        "param_dtypes": {g.param.dtype for g in sparse.values()},
+        "operands": [(mgr.state(n), g._state, g._w) for n, g in sparse.items()],  # none: fp8 reads W and M
+        "sparse_phase": mgr.sparse and len(mgr.masks) == 4,
+        "tune": (tune.choice, tune.times, [g.use_sparse for g in sparse.values()]),
+        "banner": tr.fp8.banner(torch.device("cpu")),
+        "masters_copy": [
+            (g.param.dtype, g._w.dtype, torch.equal(g._w, (g.param.detach() * masks[n]).bfloat16()))
+            for n, g in ((n, lin.gemm) for n, lin in masters.model.linears().items())
+            if isinstance(g, Sparse24Gemm)
+        ],
     }
 
 
 def test_fp8_with_2to4_runs_fp8_on_the_masked_weights() -> None:
     """With 2:4 on, fc1/fc2 keep their 2:4 recipe (masks, decay, refresh) but their GEMMs run fp8 on W ⊙ M (decision
-    1001): all eight linears are fp8 and the sparse ones' fp8 copies are zero wherever their masks are."""
+    1001): all eight linears are fp8 and the sparse ones' fp8 copies are zero wherever their masks are. Decision
+    1235: the copies are quantised from W and M (no product) with the same bits as from W * M, so training is
+    unchanged bit for bit; no 2:4 operand state exists for those layers and the autotune has nothing to time. fp32
+    masters keep their bf16 compute copy W ⊙ M (the fused 2:4 step writes it) as the casts' source."""
     r = run_distributed(_with_sparsity, 1)[0]
     assert all(torch.isfinite(torch.tensor(r["losses"])))
+    assert r["same_as_before"]
     assert len(r["fp8"]) == 8 and not r["kept"]
     assert len(r["sparse_fp8"]) == 4 and all(n.endswith(("fc1.weight", "fc2.weight")) for n in r["sparse_fp8"])
-    assert r["masks_hold"]
+    assert r["masks_hold"] and r["sparse_phase"] and r["param_dtypes"] == {torch.bfloat16}
+    assert r["operands"] == [(None, None, None)] * 4
+    assert r["tune"] == (False, {True: [], False: []}, [True] * 4)
+    assert "the 4 2:4 ones on W ⊙ M from W and its mask" in r["banner"] and "no cuSPARSELt operands" in r["banner"]
+    assert r["masters_copy"] == [(torch.float32, torch.bfloat16, True)] * 4
