@@ -337,8 +337,9 @@ def _old_weight_and_mask(self):
 
 
 def _with_sparsity() -> dict:
-    """2:4 + tensorwise fp8 for 3 steps in the 8B runs' layout (bf16 parameters under the distributed optimizer), then
-    the same run with the fp8 copies quantised from the product W * M as before; and fp32 masters with bf16 compute."""
+    """2:4 + tensorwise fp8 in the 8B runs' layout (bf16 parameters under the distributed optimizer): a mask refresh
+    at step 2, the dense fine-tune from step 3; then the same run with the fp8 copies quantised from the product
+    W * M as before, and one with fp32 masters and bf16 compute. Probed after step 2 (sparse) and step 3 (dense)."""
     from unittest import mock
 
     from megasparse.config import load_config
@@ -346,57 +347,70 @@ def _with_sparsity() -> dict:
     from megasparse.sparse24.gemm import Sparse24Gemm
     from megasparse.train import Trainer
 
-    ov = tiny(train__steps=12, model__num_layers=2) + ["train.fp8=tensorwise", "sparsity.enabled=true"]
+    ov = tiny(train__steps=6, model__num_layers=2) + ["train.fp8=tensorwise", "sparsity.enabled=true"]
+    ov += ["sparsity.refresh_interval=2", "sparsity.dense_finetune_fraction=0.5"]  # dense from step 3 on
     bf16 = ["train.dtype=bf16", "parallel.distributed_optimizer=true"]
 
-    def run(extra: list[str]):
-        tr = Trainer(load_config(None, ov + extra), init_groups=not torch.distributed.is_initialized())
-        losses = [tr.train_step().loss for _ in range(3)]  # still sparse (the dense fine-tune is the last 1/6)
-        return tr, losses, {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    def sparse_gemms(tr) -> dict:
+        return {n: lin.gemm for n, lin in tr.model.linears().items() if isinstance(lin.gemm, Sparse24Gemm)}
 
-    tr, losses, weights = run(bf16)
+    def zero_off_mask(tr) -> bool:  # the fp8 copy is made from W ⊙ M: zero wherever the mask is
+        m = tr.sparsity.manager.masks
+        return all(bool(((g.fp8.w8.float() != 0) <= m[n]).all()) for n, g in sparse_gemms(tr).items())
+
+    def run(extra: list[str]) -> tuple:
+        tr = Trainer(load_config(None, ov + extra), init_groups=not torch.distributed.is_initialized())
+        res = [tr.train_step() for _ in range(2)]
+        mgr, gemms = tr.sparsity.manager, sparse_gemms(tr)
+        tune = GemmAutotune(list(gemms.values()))
+        for step in range(1, 10):
+            tune.tick(step)
+        sparse = {
+            "refreshed": "flip_rate" in res[1].extra and mgr.sparse and len(mgr.masks) == 4,
+            "zero_off_mask": zero_off_mask(tr),
+            "operands": [(mgr.state(n), g._state, g._w is None) for n, g in gemms.items()],
+            "tune": (tune.choice, tune.times, [g.use_sparse for g in gemms.values()]),
+            "copies": [(g.param.dtype, g._w is not None and torch.equal(g._w, (g.param * mgr.masks[n]).bfloat16()))
+                       for n, g in gemms.items()],
+        }  # fmt: skip
+        res.append(tr.train_step())
+        sparse["dense_after"] = tr.sparsity.manager.dense and not zero_off_mask(tr)  # the copies from W alone
+        weights = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        return tr, [r.loss for r in res], weights, sparse
+
+    tr, losses, weights, probe = run(bf16)
     with mock.patch.object(Sparse24Gemm, "weight_and_mask", _old_weight_and_mask):
-        _, old_losses, old_weights = run(bf16)
-    masters, _, _ = run(["train.dtype=bf16"])
-    masks = masters.sparsity.manager.masks
-    mgr = tr.sparsity.manager
-    sparse = {n: lin.gemm for n, lin in tr.model.linears().items() if isinstance(lin.gemm, Sparse24Gemm)}
-    tune = GemmAutotune(list(sparse.values()))
-    for step in range(1, 10):
-        tune.tick(step)
+        _, old_losses, old_weights, _ = run(bf16)
+    masters = run(["train.dtype=bf16"])[3]
     return {
         "losses": losses,
         "same_as_before": losses == old_losses and all(torch.equal(weights[n], old_weights[n]) for n in weights),
         "fp8": sorted(tr.fp8.gemms),
-        "sparse_fp8": sorted(n for n, g in sparse.items() if g.fp8 is not None),
-        "masks_hold": all(bool(((g.fp8.w8.float() != 0) <= mgr.masks[n]).all()) for n, g in sparse.items()),
+        "sparse_fp8": sorted(n for n, g in sparse_gemms(tr).items() if g.fp8 is not None),
         "kept": dict(tr.fp8.skipped),
-        "param_dtypes": {g.param.dtype for g in sparse.values()},
-        "operands": [(mgr.state(n), g._state, g._w) for n, g in sparse.items()],  # none: fp8 reads W and M
-        "sparse_phase": mgr.sparse and len(mgr.masks) == 4,
-        "tune": (tune.choice, tune.times, [g.use_sparse for g in sparse.values()]),
         "banner": tr.fp8.banner(torch.device("cpu")),
-        "masters_copy": [
-            (g.param.dtype, g._w.dtype, torch.equal(g._w, (g.param.detach() * masks[n]).bfloat16()))
-            for n, g in ((n, lin.gemm) for n, lin in masters.model.linears().items())
-            if isinstance(g, Sparse24Gemm)
-        ],
+        "bf16": probe,
+        "masters": masters,
     }
 
 
 def test_fp8_with_2to4_runs_fp8_on_the_masked_weights() -> None:
-    """With 2:4 on, fc1/fc2 keep their 2:4 recipe (masks, decay, refresh) but their GEMMs run fp8 on W ⊙ M (decision
-    1001): all eight linears are fp8 and the sparse ones' fp8 copies are zero wherever their masks are. Decision
-    1235: the copies are quantised from W and M (no product) with the same bits as from W * M, so training is
-    unchanged bit for bit; no 2:4 operand state exists for those layers and the autotune has nothing to time. fp32
-    masters keep their bf16 compute copy W ⊙ M (the fused 2:4 step writes it) as the casts' source."""
+    """With 2:4 on, fc1/fc2 keep their 2:4 recipe (masks, decay, refresh, dense fine-tune) but their GEMMs run fp8 on
+    W ⊙ M (decision 1001): all eight linears are fp8, the sparse ones' fp8 copies are zero wherever their (refreshed)
+    masks are, and made from W alone once dense. Decision 1235: the copies are quantised from W and M (no product)
+    with the bits of W * M's, so three steps through a refresh and the dense switch train bit for bit as before; no
+    Sparse24Weight exists for those layers and the autotune has nothing to time. fp32 masters keep their bf16
+    compute copy W ⊙ M (the fused 2:4 step writes it) as the casts' source."""
     r = run_distributed(_with_sparsity, 1)[0]
     assert all(torch.isfinite(torch.tensor(r["losses"])))
     assert r["same_as_before"]
     assert len(r["fp8"]) == 8 and not r["kept"]
     assert len(r["sparse_fp8"]) == 4 and all(n.endswith(("fc1.weight", "fc2.weight")) for n in r["sparse_fp8"])
-    assert r["masks_hold"] and r["sparse_phase"] and r["param_dtypes"] == {torch.bfloat16}
-    assert r["operands"] == [(None, None, None)] * 4
-    assert r["tune"] == (False, {True: [], False: []}, [True] * 4)
     assert "the 4 2:4 ones on W ⊙ M from W and its mask" in r["banner"] and "no cuSPARSELt operands" in r["banner"]
-    assert r["masters_copy"] == [(torch.float32, torch.bfloat16, True)] * 4
+    for layout in ("bf16", "masters"):
+        p = r[layout]
+        assert p["refreshed"] and p["zero_off_mask"] and p["dense_after"], layout
+        assert p["operands"] == [(None, None, layout == "bf16")] * 4, layout  # no Sparse24Weight; W ⊙ M: masters only
+        assert p["tune"] == (False, {True: [], False: []}, [True] * 4), layout
+    assert r["bf16"]["copies"] == [(torch.bfloat16, False)] * 4
+    assert r["masters"]["copies"] == [(torch.float32, True)] * 4  # the bf16 W ⊙ M the fused 2:4 step writes
