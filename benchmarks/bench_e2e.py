@@ -158,6 +158,7 @@ EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense st
     "dense/recompute-selective": ["model.recompute=selective"],  # activation recompute (decision 0012)
     "dense/recompute-full": ["model.recompute=full"],
     "collider/recompute-full": _COLLIDER + ["model.recompute=full"],
+    "collider+cce+fp8": _COLLIDER + _CCE + _FP8,  # all four less 2:4: what turning 2:4 on is held to (decision 1235)
 }
 ALL_MODES = {**MODES, **EXTRA_MODES}
 ANCHOR = "mcore-sdpa"

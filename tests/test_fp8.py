@@ -62,6 +62,48 @@ def _check() -> None:
     x[4, 5] = float("inf")
     _, _, s = quantize_triton(x, E4M3, "row")
     assert s[4].isnan() and s[torch.arange(9) != 4].isfinite().all()
+    _check_masked(quantize_triton)
+
+
+def _masked_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(W, M) pairs: odd shapes with random masks, a transposable 2:4 mask, bf16 and fp32, and pruned values huge
+    next to tiny kept ones (masking after scaling would overflow them to inf, and inf·0 is NaN)."""
+    from megasparse.sparse24.masks import transposable_mask
+
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for shape in ((37, 24), (5, 130), (24, 36)):
+        w = torch.randn(*shape, generator=g) * torch.logspace(-3, 2, shape[1])
+        out.append((w, torch.rand(*shape, generator=g) < 0.5))
+    w = torch.randn(24, 36, generator=g)
+    out.append((w, transposable_mask(w)))
+    tiny_kept = torch.randn(12, 20, generator=g) * 1e-30
+    m = transposable_mask(torch.randn(12, 20, generator=g))
+    out.append((torch.where(m, tiny_kept, torch.full_like(tiny_kept, -3e7)), m))
+    return out + [(w.to(torch.bfloat16), m) for w, m in out[:3]]
+
+
+def _check_masked(quantize_triton) -> None:
+    """The masked casts equal the casts of the product W * M bit for bit (-0 where a negative value is pruned),
+    every axis, both formats, with and without the padded transpose."""
+    for fmt in (E4M3, E5M2):
+        for axis in ("tensor", "row", "col"):
+            for w, m in _masked_cases():
+                pad = -(-w.shape[0] // 16) * 16
+                q, qt, s = quantize_triton(w, fmt, axis, transpose=True, pad_to=pad, mask=m)
+                q_ref, s_ref = quantize_reference(w * m, fmt, axis)
+                qt_ref, _ = quantize_reference(w * m, fmt, axis, transpose=True, pad_to=pad)
+                assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(_bits(qt), _bits(qt_ref)), (fmt, axis)
+                assert torch.equal(s, s_ref) and s.isfinite().all(), (fmt, axis, tuple(w.shape), w.dtype)
+                assert torch.equal(_bits(quantize_reference(w, fmt, axis, mask=m)[0]), _bits(q_ref))
+    assert (_bits(q) == 0x80).any()  # pruned negatives are -0, as in the product
+    for recipe in RECIPES:  # a 2:4 layer's fp8 copies from (W, M) equal those of its W ⊙ M
+        w, m = _masked_cases()[3]
+        a = Fp8Gemm(torch.nn.Parameter(w), recipe, source=lambda w=w, m=m: (w, m))
+        b = Fp8Gemm(torch.nn.Parameter(w), recipe, source=lambda w=w, m=m: (w * m, None))
+        a.refresh(), b.refresh()
+        for x, y in ((a.w8, b.w8), (a.w8t, b.w8t), (a.sw, b.sw), (a.swt, b.swt)):
+            assert torch.equal(x.view(torch.uint8) if x.dim() == 2 else x, y.view(torch.uint8) if y.dim() == 2 else y)
 
 
 @needs_interpreter
@@ -286,32 +328,89 @@ def test_config_rejects_unknown_fp8_mode() -> None:
         load_config(None, ["train.fp8=e4m3"])
 
 
+def _old_weight_and_mask(self):
+    """The fp8 source before decision 1235: the product W * M (a weight-sized temporary), then its casts."""
+    if self.param.dtype != self.dtype:
+        return self._copy(), None
+    m = self._copy_mask()
+    return (self.param.detach() if m is None else self.param.detach() * m), None
+
+
 def _with_sparsity() -> dict:
+    """2:4 + tensorwise fp8 in the 8B runs' layout (bf16 parameters under the distributed optimizer): a mask refresh
+    at step 2, the dense fine-tune from step 3; then the same run with the fp8 copies quantised from the product
+    W * M as before, and one with fp32 masters and bf16 compute. Probed after step 2 (sparse) and step 3 (dense)."""
+    from unittest import mock
+
     from megasparse.config import load_config
+    from megasparse.sparse24.converter import GemmAutotune
+    from megasparse.sparse24.gemm import Sparse24Gemm
     from megasparse.train import Trainer
 
-    ov = tiny(train__steps=12, model__num_layers=2) + ["train.fp8=tensorwise", "sparsity.enabled=true"]
-    tr = Trainer(load_config(None, ov))
-    losses = [tr.train_step().loss for _ in range(2)]  # still in the sparse phase (the dense fine-tune is the last 1/6)
-    assert tr.sparsity.manager.sparse
-    sparse = {n: lin.gemm for n, lin in tr.model.linears().items() if hasattr(lin.gemm, "masked_weight")}
-    masks_hold = all(
-        bool(((g.fp8.w8.float() != 0) <= (tr.sparsity.manager.masks[n] != 0)).all()) for n, g in sparse.items()
-    )  # the fp8 copy is made from W ⊙ M: zero wherever the mask is
+    ov = tiny(train__steps=6, model__num_layers=2) + ["train.fp8=tensorwise", "sparsity.enabled=true"]
+    ov += ["sparsity.refresh_interval=2", "sparsity.dense_finetune_fraction=0.5"]  # dense from step 3 on
+    bf16 = ["train.dtype=bf16", "parallel.distributed_optimizer=true"]
+
+    def sparse_gemms(tr) -> dict:
+        return {n: lin.gemm for n, lin in tr.model.linears().items() if isinstance(lin.gemm, Sparse24Gemm)}
+
+    def zero_off_mask(tr) -> bool:  # the fp8 copy is made from W ⊙ M: zero wherever the mask is
+        m = tr.sparsity.manager.masks
+        return all(bool(((g.fp8.w8.float() != 0) <= m[n]).all()) for n, g in sparse_gemms(tr).items())
+
+    def run(extra: list[str]) -> tuple:
+        tr = Trainer(load_config(None, ov + extra), init_groups=not torch.distributed.is_initialized())
+        res = [tr.train_step() for _ in range(2)]
+        mgr, gemms = tr.sparsity.manager, sparse_gemms(tr)
+        tune = GemmAutotune(list(gemms.values()))
+        for step in range(1, 10):
+            tune.tick(step)
+        sparse = {
+            "refreshed": "flip_rate" in res[1].extra and mgr.sparse and len(mgr.masks) == 4,
+            "zero_off_mask": zero_off_mask(tr),
+            "operands": [(mgr.state(n), g._state, g._w is None) for n, g in gemms.items()],
+            "tune": (tune.choice, tune.times, [g.use_sparse for g in gemms.values()]),
+            "copies": [(g.param.dtype, g._w is not None and torch.equal(g._w, (g.param * mgr.masks[n]).bfloat16()))
+                       for n, g in gemms.items()],
+        }  # fmt: skip
+        res.append(tr.train_step())
+        sparse["dense_after"] = tr.sparsity.manager.dense and not zero_off_mask(tr)  # the copies from W alone
+        weights = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        return tr, [r.loss for r in res], weights, sparse
+
+    tr, losses, weights, probe = run(bf16)
+    with mock.patch.object(Sparse24Gemm, "weight_and_mask", _old_weight_and_mask):
+        _, old_losses, old_weights, _ = run(bf16)
+    masters = run(["train.dtype=bf16"])[3]
     return {
         "losses": losses,
+        "same_as_before": losses == old_losses and all(torch.equal(weights[n], old_weights[n]) for n in weights),
         "fp8": sorted(tr.fp8.gemms),
-        "sparse_fp8": sorted(n for n, g in sparse.items() if g.fp8 is not None),
-        "masks_hold": masks_hold,
+        "sparse_fp8": sorted(n for n, g in sparse_gemms(tr).items() if g.fp8 is not None),
         "kept": dict(tr.fp8.skipped),
+        "banner": tr.fp8.banner(torch.device("cpu")),
+        "bf16": probe,
+        "masters": masters,
     }
 
 
 def test_fp8_with_2to4_runs_fp8_on_the_masked_weights() -> None:
-    """With 2:4 on, fc1/fc2 keep their 2:4 recipe (masks, decay, refresh) but their GEMMs run fp8 on W ⊙ M (decision
-    1001): all eight linears are fp8 and the sparse ones' fp8 copies are zero wherever their masks are."""
+    """With 2:4 on, fc1/fc2 keep their 2:4 recipe (masks, decay, refresh, dense fine-tune) but their GEMMs run fp8 on
+    W ⊙ M (decision 1001): all eight linears are fp8, the sparse ones' fp8 copies are zero wherever their (refreshed)
+    masks are, and made from W alone once dense. Decision 1235: the copies are quantised from W and M (no product)
+    with the bits of W * M's, so three steps through a refresh and the dense switch train bit for bit as before; no
+    Sparse24Weight exists for those layers and the autotune has nothing to time. fp32 masters keep their bf16
+    compute copy W ⊙ M (the fused 2:4 step writes it) as the casts' source."""
     r = run_distributed(_with_sparsity, 1)[0]
     assert all(torch.isfinite(torch.tensor(r["losses"])))
+    assert r["same_as_before"]
     assert len(r["fp8"]) == 8 and not r["kept"]
     assert len(r["sparse_fp8"]) == 4 and all(n.endswith(("fc1.weight", "fc2.weight")) for n in r["sparse_fp8"])
-    assert r["masks_hold"]
+    assert "the 4 2:4 ones on W ⊙ M from W and its mask" in r["banner"] and "no cuSPARSELt operands" in r["banner"]
+    for layout in ("bf16", "masters"):
+        p = r[layout]
+        assert p["refreshed"] and p["zero_off_mask"] and p["dense_after"], layout
+        assert p["operands"] == [(None, None, layout == "bf16")] * 4, layout  # no Sparse24Weight; W ⊙ M: masters only
+        assert p["tune"] == (False, {True: [], False: []}, [True] * 4), layout
+    assert r["bf16"]["copies"] == [(torch.bfloat16, False)] * 4
+    assert r["masters"]["copies"] == [(torch.float32, True)] * 4  # the bf16 W ⊙ M the fused 2:4 step writes

@@ -103,3 +103,54 @@ def test_fp8_adds_no_host_syncs(mode: str) -> None:
     base = _syncs(ov)
     for fp8 in ("tensorwise", "rowwise"):
         assert _syncs(ov + [f"train.fp8={fp8}"]) <= base, fp8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("axis", ["tensor", "row", "col"])
+def test_masked_cast_equals_cast_of_the_product(dtype, axis) -> None:
+    """Decision 1235: a 2:4 weight's fp8 copies from W and M (no W ⊙ M made) have the bits of the casts of W * M, on
+    the GPU and against the CPU reference; fp32 takes the torch transpose (decision 1001's sm_90 finding)."""
+    from megasparse.fp8.cast import quantize_triton
+    from megasparse.sparse24.masks import transposable_mask
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(1000, 772, device="cuda", generator=g) * torch.logspace(-3, 2, 772, device="cuda")).to(dtype)
+    m = transposable_mask(w)
+    for fmt in (E4M3, E5M2):
+        q, qt, s = quantize_triton(w, fmt, axis, transpose=True, pad_to=1008, mask=m)
+        q_ref, qt_ref, s_ref = quantize_triton(w * m, fmt, axis, transpose=True, pad_to=1008)
+        cq, cs = quantize_reference((w * m).cpu(), fmt, axis)
+        for a, b in ((q, q_ref), (qt, qt_ref), (q, cq)):
+            assert torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8)), (fmt, axis, dtype)
+        assert torch.equal(s, s_ref) and torch.equal(s.cpu(), cs)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_2to4_under_fp8_builds_no_sparse_operands() -> None:
+    """Decision 1235, in the 8B runs' layout (bf16 parameters under the distributed optimizer, cuSPARSELt-aligned
+    FFNs): without fp8 the 2:4 steps pack cuSPARSELt operands; with fp8 no Sparse24Weight exists for the layers fp8
+    runs, nothing is packed, and the GEMM autotune times nothing."""
+    import gc
+
+    from megasparse.sparse24.linear import Sparse24Weight
+
+    ov = ["sparsity.enabled=true", "model.hidden_size=128", "model.ffn_hidden_size=256", "train.steps=12"]
+    ov += ["parallel.distributed_optimizer=true", "train.cuda_graphs=false"]
+    for fp8 in ("tensorwise", "off"):
+        tr = _trainer(ov + [f"train.fp8={fp8}"])
+        losses = [tr.train_step().loss for _ in range(3)]
+        gemms, tune = tr.sparsity.gemms, tr.sparsity.autotune
+        ptrs = {g.param.data_ptr() for g in gemms}  # this trainer's (a state's weight is its bf16 parameter)
+        packed = [
+            o
+            for o in gc.get_objects()
+            if isinstance(o, Sparse24Weight) and o.packed is not None and o._w.data_ptr() in ptrs
+        ]
+        assert all(torch.isfinite(torch.tensor(losses))) and {g.param.dtype for g in gemms} == {torch.bfloat16}
+        if fp8 == "off":
+            assert len(packed) == len(gemms) and tune.times[True]  # the control: these shapes build cuSPARSELt operands
+        else:
+            assert not packed and all(g.fp8 is not None and not g.tunable for g in gemms)
+            assert tune.choice is False and tune.times == {True: [], False: []}
+        del tr, packed
+        gc.collect()

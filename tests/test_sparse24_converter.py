@@ -56,7 +56,7 @@ def test_gemm_autotune_keeps_the_faster_backend() -> None:
     from megasparse.sparse24 import converter
 
     class G:
-        use_sparse = True
+        use_sparse, tunable = True, True
 
     for sparse_ms, dense_ms, want in ((10.0, 12.0, True), (12.0, 10.0, False)):
         gemms = [G(), G()]

@@ -15,6 +15,11 @@ column, amax over the rows). ``transpose``: the output is the transposed [C, R] 
 to ``pad_to``), the operand layout ``torch._scaled_mm`` wants for a weight-gradient GEMM whose reduction runs
 over tokens.
 
+``mask`` (bool, x's shape): quantise x ⊙ mask without making it: the kernels multiply each loaded value by its mask
+bit (amax and cast alike), so the result is bit for bit ``quantize(x * mask)`` (-0 where a negative value is pruned,
+NaN where a pruned one is not finite, as the product has) and a 2:4 weight's fp8 copies are made from W and M
+directly (decision 1235).
+
 Two launches per cast (an amax kernel with atomic maxima, then the cast kernel that computes the scale from it,
 writes the fp8 values, optionally their transpose, and the inverse scales), plus the zeroing of the amax buffer.
 """
@@ -69,10 +74,18 @@ def _amax(x: torch.Tensor, axis: Axis) -> torch.Tensor:
 
 
 def quantize_reference(
-    x: torch.Tensor, fmt: torch.dtype, axis: Axis = "tensor", transpose: bool = False, pad_to: int | None = None
+    x: torch.Tensor,
+    fmt: torch.dtype,
+    axis: Axis = "tensor",
+    transpose: bool = False,
+    pad_to: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, inverse scale) of the 2-D ``x``: q = sat(x·s) in ``fmt``, x ≈ q·s⁻¹. The inverse scale is 0-dim for
-    ``tensor``, [R] for ``row``, [C] for ``col``. ``transpose``: q is [C, pad_to or R] (zero columns past R)."""
+    """(q, inverse scale) of the 2-D ``x`` (times ``mask`` where given): q = sat(x·s) in ``fmt``, x ≈ q·s⁻¹. The
+    inverse scale is 0-dim for ``tensor``, [R] for ``row``, [C] for ``col``. ``transpose``: q is [C, pad_to or R]
+    (zero columns past R)."""
+    if mask is not None:  # the definition the kernels are held to (here, on CPU, the product is made)
+        x = x * mask
     s = pow2_scale(_amax(x, axis), fmt)
     b = s if axis == "tensor" else (s[:, None] if axis == "row" else s[None, :])
     m = fp8_max(fmt)
@@ -94,11 +107,23 @@ def dequantize(q: torch.Tensor, sinv: torch.Tensor, axis: Axis) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _amax_kernel(x_ptr, out_ptr, R, C, stride_r, AXIS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    def _load(x_ptr, m_ptr, rows, cols, m, stride_r, stride_m, HAS_MASK: tl.constexpr):
+        """The [BR, BC] tile of x in fp32, times its mask bits with ``HAS_MASK`` (x ⊙ M as ``x * mask`` gives it)."""
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            keep = tl.load(m_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :], mask=m, other=0)
+            x = x * keep.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _amax_kernel(
+        x_ptr, m_ptr, out_ptr, R, C, stride_r, stride_m,
+        AXIS: tl.constexpr, HAS_MASK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ):  # fmt: skip
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         m = (rows[:, None] < R) & (cols[None, :] < C)
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = _load(x_ptr, m_ptr, rows, cols, m, stride_r, stride_m, HAS_MASK)
         a = tl.abs(x)
         a = tl.where(a != a, float("inf"), a)  # NaN counts as inf: the scale turns NaN, the output stays non-finite
         if AXIS == 0:
@@ -139,16 +164,16 @@ if triton is not None:
 
     @triton.jit
     def _cast_kernel(
-        x_ptr, amax_ptr, q_ptr, qt_ptr, sinv_ptr, R, C, stride_r, ldt, FMAX,
-        AXIS: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr, EMAXC: tl.constexpr,
-        MBITS: tl.constexpr, EMIN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+        x_ptr, m_ptr, amax_ptr, q_ptr, qt_ptr, sinv_ptr, R, C, stride_r, stride_m, ldt, FMAX,
+        AXIS: tl.constexpr, HAS_MASK: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr,
+        EMAXC: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
         pid_r, pid_c = tl.program_id(0), tl.program_id(1)
         rows = pid_r * BR + tl.arange(0, BR)
         cols = pid_c * BC + tl.arange(0, BC)
         rm, cm = rows < R, cols < C
         m = rm[:, None] & cm[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_r + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = _load(x_ptr, m_ptr, rows, cols, m, stride_r, stride_m, HAS_MASK)
         if AXIS == 0:
             s, sinv = _pow2(tl.load(amax_ptr), EMAXC)
             y = x * s
@@ -190,16 +215,19 @@ def quantize_triton(
     write_q: bool = True,
     transpose: bool = False,
     pad_to: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """(q [R, C] or None, qᵀ [C, pad_to or R] or None, inverse scale) of the 2-D ``x``: the values
-    ``quantize_reference`` gives, from two kernels. ``write_q`` and ``transpose`` may both be set (a weight's two
-    operand layouts from one read)."""
+    """(q [R, C] or None, qᵀ [C, pad_to or R] or None, inverse scale) of the 2-D ``x`` (times the bool ``mask``
+    where given): the values ``quantize_reference`` gives, from two kernels. ``write_q`` and ``transpose`` may both
+    be set (a weight's two operand layouts from one read)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if mask is not None and (mask.dtype != torch.bool or mask.shape != x.shape):
+        raise ValueError(f"quantize: the mask must be bool {list(x.shape)}, not {mask.dtype} {list(mask.shape)}")
     if transpose and x.dtype == torch.float32 and x.is_cuda:
         # triton 3.6 on sm_90 wrote every fourth row of the transposed fp8 block wrong from an fp32 input (bf16
         # inputs are exact; tests/test_gpu_fp8.py): fp32 inputs (weights, once per optimizer step) transpose in torch
-        q, _, sinv = quantize_triton(x, fmt, axis)
+        q, _, sinv = quantize_triton(x, fmt, axis, mask=mask)
         qt = torch.zeros(x.shape[1], x.shape[0] if pad_to is None else pad_to, dtype=fmt, device=x.device)
         qt[:, : x.shape[0]] = q.t()
         return (q if write_q else None), qt, sinv
@@ -211,13 +239,18 @@ def quantize_triton(
     q = torch.empty(r, c, dtype=fmt, device=x.device) if write_q else None
     qt = torch.empty(c, ldt, dtype=fmt, device=x.device) if transpose else None
     br, bc = 64, 64
+    if mask is not None:  # read as bytes: one per element, like the 2:4 kernels read masks
+        mask = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)
+    m, sm = (x, 0) if mask is None else (mask, mask.stride(0))
     if r and c:
-        _amax_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](x, amax, r, c, x.stride(0), _AXIS_ID[axis], br, bc)
+        _amax_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
+            x, m, amax, r, c, x.stride(0), sm, _AXIS_ID[axis], mask is not None, br, bc
+        )
     rows = max(r, ldt) if transpose else r
     if rows and c:
         _cast_kernel[(triton.cdiv(rows, br), triton.cdiv(c, bc))](
-            x, amax, q if q is not None else sinv, qt if qt is not None else sinv, sinv, r, c, x.stride(0), ldt,
-            fp8_max(fmt), _AXIS_ID[axis], write_q, transpose, EMAX[fmt], *_GRID[fmt], br, bc,
+            x, m, amax, q if q is not None else sinv, qt if qt is not None else sinv, sinv, r, c, x.stride(0), sm,
+            ldt, fp8_max(fmt), _AXIS_ID[axis], mask is not None, write_q, transpose, EMAX[fmt], *_GRID[fmt], br, bc,
         )  # fmt: skip
     elif axis == "tensor" or n_scales:
         sinv = 1.0 / pow2_scale(amax, fmt)
@@ -225,10 +258,15 @@ def quantize_triton(
 
 
 def quantize(
-    x: torch.Tensor, fmt: torch.dtype, axis: Axis = "tensor", transpose: bool = False, pad_to: int | None = None
+    x: torch.Tensor,
+    fmt: torch.dtype,
+    axis: Axis = "tensor",
+    transpose: bool = False,
+    pad_to: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_reference``'s (q, inverse scale), from the Triton kernels where they run (``use_triton``)."""
     if not use_triton(x):
-        return quantize_reference(x, fmt, axis, transpose, pad_to)
-    q, qt, sinv = quantize_triton(x, fmt, axis, write_q=not transpose, transpose=transpose, pad_to=pad_to)
+        return quantize_reference(x, fmt, axis, transpose, pad_to, mask)
+    q, qt, sinv = quantize_triton(x, fmt, axis, write_q=not transpose, transpose=transpose, pad_to=pad_to, mask=mask)
     return (qt if transpose else q), sinv

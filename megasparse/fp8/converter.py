@@ -6,7 +6,8 @@
 
 What stays in bf16: the output layer and the loss (``loss/``: CCE's logit GEMMs), the embeddings, and on CUDA the
 linears whose GEMMs are too small for fp8 to pay for its casts (``train.fp8_min_mnk``, decision 1001). 2:4 fc1/fc2
-run dense fp8 GEMMs on their masked weights W ⊙ M (on Hopper fp8 dense beats 2:4 in bf16 or fp8: decision 1001).
+run dense fp8 GEMMs on their masked weights W ⊙ M (on Hopper fp8 dense beats 2:4 in bf16 or fp8: decision 1001),
+quantised from W and M without a product, and their 2:4 GEMM operands are never built (decision 1235).
 Under tensor parallelism each TP shard scales its own operands: no amax all-reduce (decision 1000).
 """
 
@@ -36,6 +37,8 @@ class Fp8Converter:
         self.gemms: dict[str, Fp8Gemm] = {}
         self.skipped: dict[str, str] = {}
         """weight name → why it kept its GEMM."""
+        self.on_2to4: list[str] = []
+        """The 2:4 linears whose GEMMs fp8 took (their 2:4 GEMM operands are never built: decision 1235)."""
 
     def convert(self, model: torch.nn.Module) -> dict[str, Fp8Gemm]:
         """Every linear the model names (``model.linears()``: qkv, proj, fc1, fc2) that still runs the dense GEMM."""
@@ -44,7 +47,7 @@ class Fp8Converter:
     def convert_linears(self, linears: dict[str, torch.nn.Module]) -> dict[str, Fp8Gemm]:
         for name, lin in linears.items():
             n, k = lin.weight.shape
-            masked = getattr(lin.gemm, "masked_weight", None)  # a 2:4 GEMM: fp8 over its W ⊙ M
+            masked = getattr(lin.gemm, "weight_and_mask", None)  # a 2:4 GEMM: fp8 over its W ⊙ M
             if lin.gemm is not DENSE and masked is None:
                 self.skipped[name] = f"keeps its {type(lin.gemm).__name__}"
             elif lin.weight.is_cuda and (n % 16 or k % 16):
@@ -53,6 +56,7 @@ class Fp8Converter:
                 self.skipped[name] = f"GEMMs below train.fp8_min_mnk={self.min_mnk:.3g}"
             elif masked is not None:
                 lin.gemm.fp8 = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8, source=masked)
+                self.on_2to4.append(name)
             else:
                 lin.gemm = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8)
         self.refresh()
@@ -79,6 +83,11 @@ class Fp8Converter:
         )
         grads = f"e4m3 weights/activations, e5m2 gradients, weight gradient in {'fp8' if self.wgrad_fp8 else 'bf16'}"
         line = f"fp8: {self.recipe} scaling ({grads}) on {len(self.gemms)} GEMMs ({', '.join(kinds)}), {how}"
+        if self.on_2to4:
+            line += (
+                f"; the {len(self.on_2to4)} 2:4 ones on W ⊙ M from W and its mask (masks and recipe kept; no "
+                "cuSPARSELt operands, nothing for the 2:4 GEMM autotune to choose)"
+            )
         kept = sorted({why for why in self.skipped.values()})
         if kept:
             line += f"; {len(self.skipped)} linears unchanged ({'; '.join(kept)})"

@@ -67,7 +67,8 @@ class Fp8Gemm:
     ) -> None:
         self.param, self.recipe, self.wgrad_fp8 = param, recipe, wgrad_fp8
         self.source = source
-        """What the fp8 copies are made from (None: the master; a 2:4 layer's: its masked weight W ⊙ M)."""
+        """What the fp8 copies are made from: None, the master; a 2:4 layer's ``weight_and_mask`` (W, M or None),
+        whose W ⊙ M the casts read without a product being made (decision 1235)."""
         self.axis: Axis = "row" if recipe == "rowwise" else "tensor"
         self.w8: torch.Tensor | None = None  # W [N, K] e4m3, forward
         self.w8t: torch.Tensor | None = None  # Wᵀ [K, N] e4m3, dgrad
@@ -79,16 +80,16 @@ class Fp8Gemm:
     def refresh(self) -> None:
         """Quantise the current weight into the fp8 copies, in place (a captured step keeps reading the same
         buffers). The converter calls this after every optimizer step and checkpoint load."""
-        w = self.param.detach() if self.source is None else self.source()
+        w, m = (self.param.detach(), None) if self.source is None else self.source()
         if self.recipe == "tensorwise" and use_triton(w):  # one scale: W and Wᵀ from one read
-            q, qt, s = quantize_triton(w, E4M3, "tensor", transpose=True)
+            q, qt, s = quantize_triton(w, E4M3, "tensor", transpose=True, mask=m)
             st = s
         elif self.recipe == "tensorwise":
-            q, s = quantize(w, E4M3, "tensor")
+            q, s = quantize(w, E4M3, "tensor", mask=m)
             qt, st = q.t().contiguous(), s
         else:
-            q, s = quantize(w, E4M3, "row")
-            qt, st = quantize(w, E4M3, "col", transpose=True)
+            q, s = quantize(w, E4M3, "row", mask=m)
+            qt, st = quantize(w, E4M3, "col", transpose=True, mask=m)
         if self.w8 is None:
             self.w8, self.w8t, self.sw, self.swt = q, qt, s, st
         else:

@@ -136,6 +136,11 @@ class GemmAutotune:
         now = self.clock()
         if self.choice is not None:
             return
+        if self.last is None:  # only layers running 2:4 GEMMs have a choice (fp8 may run them all: decision 1235)
+            self.gemms = [g for g in self.gemms if g.tunable]
+            if not self.gemms:
+                self.choice = False  # nothing to time (fp8's banner line says so, or the run starts dense)
+                return
         if self.last is not None and self.i < len(self._PLAN):
             kind, sparse = self._PLAN[self.i]
             if kind == "time":

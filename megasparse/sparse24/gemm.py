@@ -10,11 +10,16 @@ straight through.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megasparse.ops.wgrad import accumulate_mm
 from megasparse.sparse24.linear import Sparse24Weight, sparse24_backward, sparse24_forward
 from megasparse.sparse24.recipe import SparsityManager
+
+if TYPE_CHECKING:
+    from megasparse.fp8.gemm import Fp8Gemm
 
 
 class Sparse24Gemm:
@@ -30,13 +35,33 @@ class Sparse24Gemm:
         self._mask = None
         self.use_sparse = True
         """False: masked dense GEMMs (the converter's step-level autotune found them faster)."""
-        self.fp8 = None
-        """With ``train.fp8`` on, an fp8 GEMM over ``masked_weight()`` (installed by ``fp8/converter.py``) runs the
-        three GEMMs: dense fp8 beats 2:4 on Hopper (decision 1001). Masks, decay, refresh and fine-tune stay."""
+        self._fp8: Fp8Gemm | None = None
+
+    @property
+    def fp8(self) -> Fp8Gemm | None:
+        """With ``train.fp8`` on, the fp8 GEMM (``fp8/converter.py``) that runs this layer's three GEMMs as dense fp8
+        over W ⊙ M, quantised from ``weight_and_mask()``: dense fp8 beats 2:4 on Hopper (decision 1001)."""
+        return self._fp8
+
+    @fp8.setter
+    def fp8(self, gemm: Fp8Gemm | None) -> None:
+        # The one rule (decision 1235): once fp8 runs a layer's GEMMs, no 2:4 operand is built, refreshed or kept for
+        # it (no cuSPARSELt values / metadata, no W ⊙ M), so the manager drops its Sparse24Weight and the autotune has
+        # nothing to time (``tunable``). Masks, masked decay, mask refresh, dense fine-tune and checkpoints stay.
+        self._fp8 = gemm
+        if gemm is not None:
+            self.manager.release(self.name)
+            self._state = None
+
+    @property
+    def tunable(self) -> bool:
+        """Whether the autotune's switch (``use_sparse``) changes this layer's GEMMs: it runs 2:4 GEMMs now (not the
+        dense phase, not monitor-only, not fp8's)."""
+        return self.manager.state(self.name) is not None
 
     def _copy_mask(self) -> torch.Tensor | None:
         """The mask the compute copy carries: the current one while the layer runs sparse, None when it runs dense."""
-        return self.manager.masks[self.name] if self.manager.state(self.name) is not None else None
+        return self.manager.masks[self.name] if self.manager.sparse else None
 
     def _copy(self) -> torch.Tensor:
         """The weight in compute dtype, copied again after each optimizer step: a fused optimizer writes the master
@@ -73,12 +98,14 @@ class Sparse24Gemm:
         self._written_at = self.param._version
         self._w_mask = mask
 
-    def masked_weight(self) -> torch.Tensor:
-        """W ⊙ M while the layer runs sparse, W in the dense phase (the compute copy where there is one)."""
+    def weight_and_mask(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W, M) whose product W ⊙ M is the weight the GEMMs compute with (M None: W itself), for fp8's casts, which
+        read both and make no product. Parameters in the compute dtype (bf16 under the distributed optimizer): the
+        parameter and the mask (None in the dense phase). fp32 masters: the compute copy, already W ⊙ M (the fused
+        2:4 step writes it in the pass that updates W: the casts then read 2 bytes an element, not 4 + 1)."""
         if self.param.dtype != self.dtype:
-            return self._copy()
-        mask = self._copy_mask()
-        return self.param.detach() if mask is None else self.param.detach() * mask
+            return self._copy(), None
+        return self.param.detach(), self._copy_mask()
 
     def operand(self) -> torch.Tensor | None:
         """The layer's compute-dtype weight (the layer casts nothing per micro-batch); None when no cast is needed."""

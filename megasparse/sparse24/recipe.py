@@ -22,7 +22,8 @@ from megasparse.sparse24.masks import check_cusparselt_shape, check_mask_shape, 
 
 
 class SparsityManager:
-    """One Sparse24Weight per FFN weight (shard); each TP shard computes its own mask on its own shard.
+    """One Sparse24Weight per FFN weight (shard) whose 2:4 GEMMs run; each TP shard computes its own mask on its own
+    shard.
 
     ``named_weights`` are the local tensors of the sparse linears (fc1 column-parallel [2f/tp, h], fc2
     row-parallel [h, f/tp]). Flip rate of a layer at a mask refresh: the fraction of its mask entries that
@@ -60,8 +61,14 @@ class SparsityManager:
 
     # -- queries ---------------------------------------------------------------------------------------------------
     def state(self, name: str) -> Sparse24Weight | None:
-        """The layer's Sparse24Weight, or None when it runs dense (fine-tuning phase or monitor-only)."""
+        """The layer's Sparse24Weight, or None when it runs dense (fine-tuning phase or monitor-only) or another GEMM
+        runs it (``release``)."""
         return None if self.dense else self._states.get(name)
+
+    def release(self, name: str) -> None:
+        """Another GEMM runs ``name``'s layer (fp8's, over W ⊙ M): its Sparse24Weight goes, so its cuSPARSELt operands
+        are never built or refreshed (decision 1235); its mask, decay, refresh and dense switch stay here."""
+        self._states.pop(name, None)
 
     @property
     def sparse(self) -> bool:
