@@ -10,12 +10,14 @@ layer; the defaults are the whole Llama-3-8B's PP2 stage: 16 layers, 2.8e9 weigh
 - ``triton, owned 1/dp``: the same over a 1/dp slice of each (the distributed optimizer's path now; a rank's owned
   ranges add up to 1/dp of the stage's weights).
 Prints milliseconds (CUDA events, median over ``--reps``), bytes moved per step and the rate, and how many decayed
-values the Triton pass and ``addcmul_`` round differently (a CUDA ``addcmul_`` may fuse the multiply into the add).
+values the Triton pass and ``addcmul_`` round differently (a CUDA ``addcmul_`` may fuse the multiply into the add);
+writes the same to ``--out`` (default ``docs/benchmarks/data/masked_decay_<device>.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (times mean nothing)")
+    p.add_argument("--out", default=None, help="JSON file (default docs/benchmarks/data/masked_decay_<device>.json)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     shapes = [(2 * a.ffn, a.hidden), (a.hidden, a.ffn)] * a.layers
@@ -85,15 +88,23 @@ def main(argv: list[str] | None = None) -> None:
     ]
     where = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"{where}: {n / 1e9:.2f}e9 weights in {len(shapes)} tensors, W bf16, g fp32")
+    out = {"device": where, "torch": torch.__version__, "weights": n, "args": vars(a), "rows": []}
     for name, fn, nbytes in rows:
         t = _time(fn, a.reps, dev)
         print(f"{name:>22}: {t:8.2f} ms  {nbytes / 1e9:6.1f} GB  {nbytes / t / 1e6:6.0f} GB/s")
+        out["rows"].append({"path": name, "ms": t, "bytes": nbytes})
     g0 = torch.randn(shapes[0], device=dev)
     ref, got = g0.clone(), g0.clone()
     ref.addcmul_(ws[0], ~ms[0], value=LAMBDA)
     masked_decay_(got, ws[0], ms[0], LAMBDA)
     diff = int((ref != got).sum())
     print(f"rounded differently from addcmul_: {diff} of {g0.numel()} (max |d| {(ref - got).abs().max():.3g})")
+    out["rounded_differently"] = diff
+    tag = where.replace("NVIDIA ", "").split()[0].lower() if dev.type == "cuda" else "cpu"
+    data = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "data"
+    path = Path(a.out) if a.out else data / f"masked_decay_{tag}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

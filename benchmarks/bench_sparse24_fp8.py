@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -63,7 +64,7 @@ def layer(name: str, dev: torch.device) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=16, help="transformer layers on the stage (8B at PP2: 16)")
-    p.add_argument("--out", default=None, help="JSON file (default: print only)")
+    p.add_argument("--out", default=None, help="JSON file (default docs/benchmarks/data/sparse24_fp8_<device>.json)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_sparse24_fp8: needs a CUDA GPU", file=sys.stderr)
@@ -89,9 +90,14 @@ def main() -> int:
         f" masked {stage['masked_ms']:.2f} ms; packing {stage['packing_ms']:.2f} ms a step while it ran; cuSPARSELt"
         f" operands {stage['packed_gib']:.2f} GiB (gone), masks {stage['masks_gib']:.2f} GiB (kept)"
     )
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "stage": stage}, f, indent=1)
+    name = torch.cuda.get_device_name()
+    tag = name.replace("NVIDIA ", "").split()[0].lower()
+    out = a.out or str(
+        Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "data" / f"sparse24_fp8_{tag}.json"
+    )
+    with open(out, "w") as f:
+        json.dump({"device": name, "torch": torch.__version__, "rows": rows, "stage": stage}, f, indent=1)
+    print(f"wrote {out}")
     return 0 if all(r["bitwise_equal"] for r in rows) else 1
 
 
