@@ -158,6 +158,15 @@ def _train(fused: bool, sharded: bool = False) -> dict:
             w = {n: p.detach().float().cpu() for n, p in tr.sparsity.manager.weights.items()}  # after one step
         losses += [tr.train_step().loss for _ in range(5)]
         took = bool(taken) if sharded else tr.sparsity.fused.steps is not None
+        if sharded and fused:  # the pieces' fused step reads nothing back from the device
+            tr.compute_gradients()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                tr.sparsity.pre_optimizer_step(tr.optimizer)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert len(taken) == 7
+            tr.optimizer.step()
         tr.graphs.release()
         return {"losses": losses, "took": took, "weights": w}
     finally:
