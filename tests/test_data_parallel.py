@@ -140,6 +140,92 @@ def test_dp2_sharded_with_sparse24_matches_replicated_and_single_process():
     assert all(rep["exact"]) and rep["split"] == 0
 
 
+def _raises(fn) -> bool:
+    try:
+        fn()
+    except RuntimeError:
+        return True
+    return False
+
+
+def fused_sharded(overrides: list[str], steps: int, save_at: int | None, resume: str | None) -> dict:
+    """A sharded 2:4 run whose owned pieces are stepped by the fused masked AdamW (decision 1237), forced onto the
+    CPU through its torch reference. Every step checks that the hook took exactly this rank's owned elements of the
+    2:4 weights and wrote no decay into their gradients (the decay lives inside the fused step)."""
+    from megasparse.config import load_config
+    from megasparse.parallel.consolidate import full_state_dict
+    from megasparse.sparse24.optim import FusedMaskedAdamW
+    from megasparse.train import Trainer
+
+    FusedMaskedAdamW.reference_off_gpu = True  # in this process only; put back below (DP1 runs in pytest's)
+    try:
+        tr = Trainer(load_config(None, BASE + overrides))
+        if resume:
+            tr.resume(resume)
+        conv, opt = tr.sparsity, tr.dp_opt.optimizer
+        hook, seen = conv.pre_optimizer_step, {"taken": [], "owned": [], "grads_kept": [], "sparse": []}
+
+        def watched(optimizer=None) -> None:
+            mgr = conv.manager
+            before = {n: w.main_grad.clone() for n, w in mgr.weights.items()}
+            hook(optimizer)
+            seen["sparse"].append(mgr.sparse)
+            seen["taken"].append(sum(v.numel() for v in opt._taken))
+            seen["owned"].append(sum(-opt.owned_range(w)[0] + opt.owned_range(w)[1] for w in mgr.weights.values()))
+            seen["grads_kept"].append(all(torch.equal(w.main_grad, before[n]) for n, w in mgr.weights.items()))
+
+        conv.pre_optimizer_step = watched
+        results, before_last = [], None
+        while tr.step < steps:
+            if tr.step == steps - 1:
+                before_last = full_state_dict(tr.model)
+            results.append(tr.train_step())
+            if tr.step == save_at:
+                assert tr.save() is not None
+        res = {
+            "losses": [r.loss for r in results],
+            "norms": [r.grad_norm for r in results],
+            "weights": before_last,
+            "seen": seen,
+            "steps": {float(st["step"]) for st in opt.inner.state.values()} | {float(opt.steps)},
+        }
+        mgr = conv.manager  # after the run, back in a sparse phase: a second decay is refused, a missing one too
+        mgr.dense = mgr.decayed = False
+        hook(opt)  # the fused step claims this step's decay
+        res["refused"] = [_raises(lambda: mgr.apply_masked_decay(opt.owned_range)), _raises(lambda: hook(opt))]
+        mgr.decayed = False
+        res["refused"].append(_raises(lambda: conv.post_optimizer_step(steps + 1)))
+        return res
+    finally:
+        FusedMaskedAdamW.reference_off_gpu = False
+
+
+@pytest.mark.slow
+def test_dp2_sharded_fused_masked_adamw_matches_single_process_and_resumes_at_dp1(tmp_path):
+    """The owned pieces of the 2:4 weights stepped by ``masked_adamw_`` (its torch reference here): decay + AdamW on
+    the fp32 master pieces. A decay missing or doubled moves the weights far past the tolerance (decision 1236's
+    mutations); the state stays the optimizer's, so a save at DP2 resumes at DP1; the dense step after the switch
+    (step 6) continues the pieces' step counts."""
+    out = [f"logging.out_dir={tmp_path}", *SHARDED, *SPARSE]
+    full = run_distributed(fused_sharded, 2, out, STEPS + 1, 3, None)
+    ref = single(tuple(SPARSE))
+    for r in full:
+        assert_matches({**r, **{k: r[k][:STEPS] for k in ("losses", "norms")}}, ref)  # the weights after step 5
+        s = r["seen"]
+        assert s["sparse"] == [True] * STEPS + [False]
+        assert all(s["grads_kept"]) and s["taken"][:STEPS] == s["owned"][:STEPS] and min(s["taken"][:STEPS]) > 0
+        assert s["taken"][STEPS] == 0  # dense: torch's AdamW steps them, from the step count the pieces kept
+        assert r["steps"] == {STEPS + 1.0} and r["refused"] == [True, True, True]
+    assert full[0]["seen"]["owned"][0] != full[1]["seen"]["owned"][0]  # uneven chunks: really pieces
+    one = run_distributed(fused_sharded, 1, out, STEPS + 1, None, str(tmp_path))[0]
+    assert len(one["losses"]) == 3 and one["steps"] == {STEPS + 1.0}
+    for key in ("losses", "norms"):
+        for a, b in zip(one[key], full[0][key][3:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (key, one[key], full[0][key])
+    for k, w in one["weights"].items():
+        assert ((w - full[0]["weights"][k]).norm() / w.norm()).item() < 1e-5, k
+
+
 @pytest.mark.slow
 def test_dp2_overlapped_replicated_optimizer_matches_single_process():
     r = run_distributed(train, 2, BUCKETS, STEPS)[0]

@@ -14,12 +14,17 @@ Checkpoints: ``state_dict`` gathers the chunks over DP into exactly the structur
 parameters holding them (fp32 weights swapped in where the parameters are bf16), scattering back after a load.
 So a save reads like a replicated one and resumes at any DP size. The cost: a transient whole copy of the
 optimizer state on every rank during a save or load (docs/decisions/0404).
+
+``take_pieces``: a caller may apply one step's update to some parameters' owned pieces itself, on this optimizer's
+own fp32 masters and moments (the 2:4 recipe's fused masked AdamW, decision 1237); the step leaves those pieces out
+of its AdamW, counts their step and gathers them like the rest. The caller sees pieces, never buckets.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,6 +36,25 @@ from megasparse.parallel.layers import ComputeCopies
 __all__ = ["DataParallelOptimizer", "DistributedAdamW"]
 
 Groups = list[tuple[list[nn.Parameter], float]]
+
+
+@dataclass
+class OwnedPiece:
+    """This rank's piece of one parameter, lent to a caller that steps it itself (``DistributedAdamW.take_pieces``).
+    Every tensor is a contiguous 1-D view of the optimizer's own storage: writes land in its state."""
+
+    param: nn.Parameter
+    start: int
+    """[start, end) of the parameter's flattened elements."""
+    end: int
+    master: torch.Tensor
+    """fp32 master weights (the parameter itself when it is fp32)."""
+    grad: torch.Tensor
+    """The DP-reduced, clipped gradient."""
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    group: dict
+    """The AdamW parameter group it steps in (lr, betas, eps, weight_decay, amsgrad, maximize)."""
 
 
 class DistributedAdamW:
@@ -98,6 +122,8 @@ class DistributedAdamW:
         )
         for view, st in init_state.items():  # AdamW initialises only empty state: it steps these views
             self.inner.state[view] = st
+        self._group_of = decay  # parameter id -> its group's index
+        self._taken: list[torch.Tensor] = []  # master views a caller steps itself at the next ``step``
         self.steps = 0
         buckets.zero(1)
         self._hooks: list = []
@@ -120,12 +146,42 @@ class DistributedAdamW:
         except KeyError:
             raise KeyError(f"a {tuple(p.shape)} parameter is not in this optimizer's gradient buckets") from None
 
+    def take_pieces(self, wanted: Callable[[nn.Parameter], bool]) -> tuple[list[OwnedPiece], int]:
+        """This rank's pieces of the parameters ``wanted`` selects, for a caller that applies this step's update to
+        them itself (before the next ``step``, after clipping), and the 1-based number of that step (a host count:
+        no synchronisation). The next ``step`` leaves them out of its AdamW, counts their step in the state (a later
+        plain step, e.g. 2:4's dense fine-tuning, continues the bias correction) and gathers them as usual. Taking
+        twice before a step would update them twice: refused."""
+        if self._taken:
+            raise RuntimeError("take_pieces: pieces were already taken for this step")
+        out = []
+        for b, mine in zip(self.buckets.buckets, self.pieces):
+            for i, s, e, view in mine:
+                p = b.params[i]
+                if not wanted(p):
+                    continue
+                a, st = b.ranges[i][0], self.inner.state[view]
+                group = self.inner.param_groups[self._group_of[id(p)]]
+                out.append(OwnedPiece(p, s - a, e - a, view, view.grad, st["exp_avg"], st["exp_avg_sq"], group))
+                self._taken.append(view)
+        return out, self.steps + 1
+
     # -- the step -----------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW on the owned chunks (their gradients already reduced and clipped), then the parameters'
-        all-gather over DP (waited for here unless ``lazy_gather``)."""
-        self.inner.step()
+        """AdamW on the owned chunks (their gradients already reduced and clipped; pieces a caller took are already
+        stepped), then the parameters' all-gather over DP (waited for here unless ``lazy_gather``)."""
+        taken, self._taken = self._taken, []
+        hidden = [(v, v.grad) for v in taken]
+        for v in taken:
+            v.grad = None  # torch's AdamW skips a parameter without a gradient
+        try:
+            self.inner.step()
+        finally:
+            for v, g in hidden:
+                v.grad = g
+        if taken:  # host-side scalars (or one foreach add on the device): no synchronisation
+            torch._foreach_add_([self.inner.state[v]["step"] for v in taken], 1.0)
         self.steps += 1
         b_all = self.buckets
         for k, b in enumerate(b_all.buckets):

@@ -64,7 +64,7 @@ class Sparse24Converter:
             gemms.append(lin.gemm)
         self.gemms = gemms
         on_gpu = any(lin.weight.is_cuda for lin in linears.values())
-        if on_gpu and not self.cfg.monitor_only:
+        if (on_gpu or FusedMaskedAdamW.reference_off_gpu) and not self.cfg.monitor_only:
             self.fused = FusedMaskedAdamW(self.manager, {n: lin.gemm for n, lin in linears.items()})
         if self.cfg.backend == "auto" and on_gpu and self.total_steps >= GemmAutotune.STEPS_NEEDED:
             self.autotune = GemmAutotune(gemms)
@@ -73,8 +73,10 @@ class Sparse24Converter:
     def pre_optimizer_step(self, optimizer=None) -> None:
         """Masked decay of the pruned weights, added to the gradients the optimizer is about to use; with a fused
         CUDA AdamW, the sparse weights' whole step instead (decay, AdamW and their bf16 copy in one kernel,
-        ``optim.py``), and the optimizer's own step skips them. An optimizer that steps only part of each gradient
-        (the distributed one) names that part with ``owned_range``, and only it is decayed (decision 1236)."""
+        ``optim.py``), and the optimizer's own step skips them. The distributed optimizer lends its pieces of them
+        to the same kernel (decision 1237); where that does not apply (CPU, amsgrad), it names the part of each
+        gradient it steps with ``owned_range``, and only that is decayed (decision 1236). Whichever path runs
+        claims the step's decay from the manager, which refuses a second claim."""
         if optimizer is not None and self.fused is not None and self.fused.step(optimizer):
             return
         self.manager.apply_masked_decay(getattr(optimizer, "owned_range", None))
@@ -84,6 +86,9 @@ class Sparse24Converter:
         out: dict = {}
         if self.fused is not None:
             self.fused.restore()
+        mgr = self.manager
+        if mgr.sparse and mgr.cfg.decay != 0.0 and not mgr.decayed:
+            raise RuntimeError("sparsity: optimizer step without the masked decay (call pre_optimizer_step first)")
         if self.autotune is not None:
             self.autotune.tick(step)
         rates = self.manager.after_step(step)

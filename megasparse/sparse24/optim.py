@@ -10,6 +10,10 @@ The arithmetic is ``torch.optim.AdamW``'s (decoupled weight decay, then Adam wit
 maximize), applied to g + λ·¬M⊙W, the gradient ``SparsityManager.apply_masked_decay`` would have produced. The
 state lives in the torch optimizer's own ``state[p]`` in its fused layout, so checkpoints and a later plain step
 (dense fine-tuning) see an ordinary AdamW.
+
+Under the distributed optimizer the same kernel steps the pieces of the 2:4 weights that this DP rank owns, on the
+optimizer's fp32 master, gradient and moment pieces (``DistributedAdamW.take_pieces``) with the mask's matching
+flat slice; the decay reads the fp32 master as the replicated fused step does (decision 1237).
 """
 
 from __future__ import annotations
@@ -90,11 +94,18 @@ def masked_adamw_(
 
 class FusedMaskedAdamW:
     """Steps the sparse weights of a replicated, fused ``torch.optim.AdamW`` with ``masked_adamw_``, and hides
-    them from the torch step (their ``.grad`` is None while it runs; ``restore`` puts it back).
+    them from the torch step (their ``.grad`` is None while it runs; ``restore`` puts it back); or, under the
+    distributed optimizer, this rank's pieces of them (the optimizer leaves pieces it lent out of its own step).
 
-    Only where it is exact and possible: fp32 masters on CUDA with a fused torch AdamW, a sparse phase of the
-    recipe, and gradients in ``.grad``. Host step counts are read from the optimizer state once (after a
-    load), so a step does not synchronise."""
+    Only where it is exact and possible: fp32 masters on CUDA with a fused torch AdamW (or the distributed one), a
+    sparse phase of the recipe, and gradients in ``.grad`` (in the distributed optimizer's buckets). Host step
+    counts are read from the optimizer state once (after a load), or are the distributed optimizer's own host
+    count, so a step does not synchronise. Either way the step claims the recipe's decay for this step
+    (``SparsityManager.claim_decay``), so the decay cannot also be added to the gradients."""
+
+    reference_off_gpu = False
+    """Tests: step a distributed optimizer's pieces off the GPU too, through ``masked_adamw_reference``, so the
+    piece bookkeeping runs on the CPU (on CUDA the Triton kernel always steps them)."""
 
     def __init__(self, manager, gemms: dict[str, object]) -> None:
         self.manager, self.gemms = manager, gemms
@@ -119,7 +130,11 @@ class FusedMaskedAdamW:
     def step(self, optimizer) -> bool:
         """Step every sparse weight (True), or leave all to the caller (False: not applicable this step)."""
         mgr = self.manager
-        if not mgr.sparse or not self.usable(optimizer):
+        if not mgr.sparse:
+            return False
+        if hasattr(optimizer, "take_pieces"):
+            return self._step_pieces(optimizer)
+        if not self.usable(optimizer):
             return False
         todo = []
         for group in optimizer.param_groups:
@@ -135,6 +150,7 @@ class FusedMaskedAdamW:
                 todo.append((name, p, group, out))
         if not todo:
             return False
+        mgr.claim_decay()
         if self.steps is None:  # once per run and after a load: one read of the device step counts
             state = optimizer.state
             self.steps = {n: int(state[p]["step"]) if "step" in state[p] else 0 for n, p, _, _ in todo}
@@ -156,6 +172,26 @@ class FusedMaskedAdamW:
             self.hidden.append((p, p.grad))
             p.grad = None  # the torch step skips it
         torch._foreach_add_([optimizer.state[p]["step"] for _, p, _, _ in todo], 1.0)
+        return True
+
+    def _step_pieces(self, optimizer) -> bool:
+        """This DP rank's pieces of the sparse weights: decay + AdamW in one pass over the fp32 master, gradient and
+        moment pieces and the mask's flat slice. The all-gather after the optimizer's step writes the parameters."""
+        mgr = self.manager
+        groups_ok = all(not g.get("amsgrad") and not g.get("maximize") for g in optimizer.param_groups)
+        on_gpu = triton is not None and all(w.is_cuda for w in mgr.weights.values())
+        if not groups_ok or not (on_gpu or self.reference_off_gpu):
+            return False
+        mgr.claim_decay()
+        pieces, step = optimizer.take_pieces(lambda p: id(p) in self.names)
+        for pc in pieces:
+            name = self.names[id(pc.param)]
+            beta1, beta2 = pc.group["betas"]
+            adamw = masked_adamw_ if pc.master.is_cuda else masked_adamw_reference
+            adamw(
+                pc.master, pc.grad, pc.exp_avg, pc.exp_avg_sq, mgr.masks[name].view(-1)[pc.start : pc.end], step,
+                float(pc.group["lr"]), beta1, beta2, pc.group["eps"], pc.group["weight_decay"], mgr.cfg.decay,
+            )  # fmt: skip
         return True
 
     def restore(self) -> None:

@@ -43,6 +43,8 @@ class SparsityManager:
         self.updates = 0
         """Optimizer steps and loads seen: the key of the operand copies (a fused optimizer moves no versions)."""
         self.dense = False
+        self.decayed = False
+        """This step's masked decay was applied (into the gradients, or inside a fused step): ``claim_decay``."""
         self.masks: dict[str, torch.Tensor] = {}
         self._states: dict[str, Sparse24Weight] = {}
         for name, w in self.weights.items():
@@ -75,6 +77,13 @@ class SparsityManager:
         return not self.dense and not self.cfg.monitor_only
 
     # -- per step --------------------------------------------------------------------------------------------------
+    def claim_decay(self) -> None:
+        """Called by whatever applies this step's masked decay (``apply_masked_decay``, or a fused optimizer step that
+        decays in registers): a second claim before ``after_step`` would decay twice, and raises."""
+        if self.decayed:
+            raise RuntimeError("sparsity: the masked decay was already applied for this optimizer step")
+        self.decayed = True
+
     @torch.no_grad()
     def apply_masked_decay(self, owned: Callable[[torch.nn.Parameter], tuple[int, int]] | None = None) -> None:
         """grad += λ·(¬M ⊙ W) for every sparse weight (into ``main_grad`` when the optimizer uses one).
@@ -84,6 +93,7 @@ class SparsityManager:
         the rest of the gradient is never read. None: whole tensors."""
         if not self.sparse or self.cfg.decay == 0.0:
             return
+        self.claim_decay()
         for name, w in self.weights.items():
             g = getattr(w, "main_grad", None)
             if g is None:
@@ -102,6 +112,7 @@ class SparsityManager:
         """Call after optimizer step number ``step`` (1-based). Returns flip rates on mask-refresh steps, else {}."""
         self.step = int(step)
         self.updates += 1
+        self.decayed = False
         if self.dense:
             return {}
         if self.step >= self.switch_step:
