@@ -67,6 +67,7 @@ def build_data_parallel(
         betas=(o.beta1, o.beta2),
         eps=o.eps,
         foreach=device.type == "cuda",
+        fused=device.type == "cuda",  # one kernel over the owned pieces, as the replicated optimizer (decision 1238)
         param_dtype=compute_dtype,
         lazy_gather=overlap and not model.vocab_pp,  # the sliced vocabulary is read outside module forwards
     )

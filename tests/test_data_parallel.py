@@ -226,6 +226,56 @@ def test_dp2_sharded_fused_masked_adamw_matches_single_process_and_resumes_at_dp
         assert ((w - full[0]["weights"][k]).norm() / w.norm()).item() < 1e-5, k
 
 
+def torch_fused_sharded(overrides: list[str], steps: int) -> dict:
+    """The sharded optimizer with torch's fused AdamW over its pieces (what CUDA runs; torch has a fused CPU kernel
+    too), and a checkpoint's kernel flags not taken over by a load."""
+    import megasparse.optim as mo
+
+    plain = mo.DistributedAdamW
+    mo.DistributedAdamW = lambda *a, **k: plain(*a, **{**k, "fused": True})
+    try:
+        res = train(overrides, steps)
+    finally:
+        mo.DistributedAdamW = plain
+    return res
+
+
+def torch_fused_kernel_flags(_: None) -> dict:
+    import megasparse.optim as mo
+    from megasparse.config import load_config
+    from megasparse.train import Trainer
+
+    plain = mo.DistributedAdamW
+    mo.DistributedAdamW = lambda *a, **k: plain(*a, **{**k, "fused": True})
+    try:
+        tr = Trainer(load_config(None, BASE + SHARDED))
+    finally:
+        mo.DistributedAdamW = plain
+    tr.train_step()
+    opt = tr.dp_opt.optimizer
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:  # a checkpoint written by a run that stepped with foreach
+        g.update(fused=None, foreach=True)
+    opt.load_state_dict(sd)
+    steps = [st["step"] for st in opt.inner.state.values()]
+    return {
+        "fused": [g["fused"] for g in opt.inner.param_groups],
+        "foreach": [g["foreach"] for g in opt.inner.param_groups],
+        "steps_on_param_device": all(t.device == tr.device for t in steps),
+        "step": float(steps[0]),
+    }
+
+
+@pytest.mark.slow
+def test_dp2_sharded_with_fused_adamw_matches_single_process():
+    """decision 1238: the pieces stepped by torch's fused AdamW train like one process; a load keeps the run's
+    kernel (a checkpoint's ``fused``/``foreach`` are how its run stepped, not hyper-parameters)."""
+    for res in run_distributed(torch_fused_sharded, 2, SHARDED, STEPS):
+        assert_matches(res, single(()))
+    for r in run_distributed(torch_fused_kernel_flags, 1, None):
+        assert r == {"fused": [True, True], "foreach": [False, False], "steps_on_param_device": True, "step": 1.0}
+
+
 @pytest.mark.slow
 def test_dp2_overlapped_replicated_optimizer_matches_single_process():
     r = run_distributed(train, 2, BUCKETS, STEPS)[0]

@@ -2,8 +2,9 @@
 
 ``DistributedAdamW``: every DP rank owns a contiguous 1/dp of each gradient bucket (``ddp.py``) and keeps, for
 that chunk only, the fp32 master weights and AdamW's two moments, so their memory divides by dp. It steps its
-chunk with ``torch.optim.AdamW`` itself (on views: one per parameter piece inside the chunk, in the plain
-optimizer's decay groups, so the arithmetic is the replicated optimizer's, element for element), then all-gathers
+chunk with ``torch.optim.AdamW`` itself (fused on CUDA as the replicated optimizer is, decision 1238; on views: one
+per parameter piece inside the chunk, in the plain optimizer's decay groups, so the arithmetic is the replicated
+optimizer's, element for element), then all-gathers
 the updated parameters into the bucket's parameter storage (bf16 compute copies on GPU, the fp32 weights
 themselves on CPU) asynchronously; the next forward waits for a bucket in the pre-hook of the first module that
 uses it. The gradient norm sums squares of the owned chunks over the whole world, which equals the replicated
@@ -36,6 +37,7 @@ from megasparse.parallel.layers import ComputeCopies
 __all__ = ["DataParallelOptimizer", "DistributedAdamW"]
 
 Groups = list[tuple[list[nn.Parameter], float]]
+_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")  # how a run steps, not what a checkpoint holds
 
 
 @dataclass
@@ -77,12 +79,14 @@ class DistributedAdamW:
         foreach: bool,
         param_dtype: torch.dtype,
         lazy_gather: bool,
+        fused: bool = False,
     ) -> None:
         """``groups``: (parameters, weight decay) in the plain optimizer's order; ``param_dtype``: the dtype the
         model's parameters are switched to (the compute dtype); ``lazy_gather``: wait for a bucket's gathered
-        parameters only when a module needs them (``wait_before_use``), else at the end of ``step``."""
+        parameters only when a module needs them (``wait_before_use``), else at the end of ``step``; ``fused``:
+        torch's one-kernel AdamW over the pieces (its step counts then live on the device; decision 1238)."""
         self.buckets, self.groups, self.lazy = buckets, groups, lazy_gather
-        self.hyper = dict(lr=lr, betas=betas, eps=eps, foreach=foreach)
+        self.hyper = dict(lr=lr, betas=betas, eps=eps, foreach=foreach and not fused, fused=fused)
         n, r = buckets.dp, buckets.rank
         decay = {id(p): k for k, (ps, _) in enumerate(groups) for p in ps}
         pieces: list[list[torch.Tensor]] = [[] for _ in groups]
@@ -108,7 +112,8 @@ class DistributedAdamW:
                 view = master[s - lo : e - lo]
                 view.grad = b.grad[s:e]
                 pieces[decay[id(b.params[i])]].append(view)
-                init_state[view] = {"step": torch.zeros((), dtype=torch.float32), "exp_avg": m[s - lo : e - lo]}
+                step = torch.zeros((), dtype=torch.float32, device=view.device if fused else "cpu")
+                init_state[view] = {"step": step, "exp_avg": m[s - lo : e - lo]}
                 init_state[view]["exp_avg_sq"] = v[s - lo : e - lo]
                 mine.append((i, s, e, view))
             self.pieces.append(mine)
@@ -299,8 +304,8 @@ class DistributedAdamW:
         """Load a plain AdamW state dict (from any DP size); hyper-parameters come from it as in torch."""
         order = self._index()
         self.load_full_state({order[i]: s for i, s in sd["state"].items()}, None)
-        for g, saved in zip(self.inner.param_groups, sd["param_groups"]):
-            g.update({k: v for k, v in saved.items() if k != "params"})
+        for g, saved in zip(self.inner.param_groups, sd["param_groups"]):  # hyper-parameters, not this run's kernel
+            g.update({k: v for k, v in saved.items() if k not in ("params", *_KERNEL_KEYS)})
 
     @contextlib.contextmanager
     def plain_view(self, load: bool = False) -> Iterator[torch.optim.AdamW]:
@@ -316,7 +321,8 @@ class DistributedAdamW:
         swapped = {p: p.data for p in masters if p.dtype != torch.float32}
         for p in swapped:
             p.data = masters[p]
-        shadow = torch.optim.AdamW([{"params": ps, "weight_decay": wd} for ps, wd in self.groups], **self.hyper)
+        plain = {k: v for k, v in self.hyper.items() if k != "fused"}  # it holds state; it never steps
+        shadow = torch.optim.AdamW([{"params": ps, "weight_decay": wd} for ps, wd in self.groups], **plain)
         for p, s in st.items():
             shadow.state[p] = s
         for g, mine in zip(shadow.param_groups, self.inner.param_groups):
