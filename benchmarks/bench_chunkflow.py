@@ -38,9 +38,10 @@ Modes, each on the same data and model, every rank in the same process group:
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
 ``chunkflow`` when ``--modes`` has it; the modes it names run even if ``--modes`` lacks them) at the others, each on
-its own set generated with that S (same shape, scaled) and the same chunk size (default: the first S / 4, so a call
-with one S of 65536 runs chunks of 16384); ``mem_vs_first_length`` is a row's peak memory over the same mode's at the
-first S (issue 30: ChunkFlow's within 10% when S doubles).
+its own set generated with that S (same shape, scaled) and the same chunk size (default: a quarter of the first S or
+of the layout's S, whichever is smaller: 8192 on ``4gpu_8b`` for S = 32768 and for a call with S = 65536 alone);
+``mem_vs_first_length`` is a row's peak memory over the same mode's at the first S (issue 30: ChunkFlow's within
+10% when S doubles).
 
 A mode whose keys this checkout's config does not know is a row ``not available: ...``, not a crash; so is
 ``mcore-fixed`` without CUDA. Metrics per mode: ``real_tokens_per_s`` (non-padding input tokens of the step,
@@ -446,7 +447,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--data", default=None, help="use this indexed dataset (with PREFIX.tokenizer.json) instead")
     p.add_argument("--data-dir", default=os.environ.get("MEGASPARSE_CACHE", "/tmp/megasparse-chunkflow"))
-    p.add_argument("--chunk-size", type=int, default=None, help="chunkflow.chunk_size (default S/4; 0: skip)")
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="chunkflow.chunk_size (default: min(S, layout S) / 4; 0: skip)"
+    )
     p.add_argument("--max-chunks", type=int, default=2, help="chunkflow.max_chunks_in_memory")
     p.add_argument("--chunkflow-batch", type=int, default=0, help="sequences per chunkflow step (0: padded's tokens)")
     p.add_argument("--in-flight", type=int, default=1, help="chunkflow.sequences_in_flight")
@@ -460,8 +463,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.longer_modes = [m for m in ("chunkflow",) if m in a.modes]
     else:
         a.longer_modes = [m for m in a.longer_modes.split(",") if m]
-    if a.chunk_size is None:  # one chunk size for every S: ChunkFlow's memory should not follow S
-        a.chunk_size = a.max_lengths[0] // 4
+    if a.chunk_size is None:  # one chunk size for every S and call: ChunkFlow's memory should not follow S
+        a.chunk_size = min(a.max_lengths[0], LAYOUTS[a.layout]["max_length"]) // 4
     return a
 
 
