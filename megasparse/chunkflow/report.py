@@ -103,6 +103,10 @@ def format_plan_report(rep: dict) -> str:
         "pad: share of all chunk slots; extra fwd: chunk forwards rerun per step because K < a sequence's chunks; "
         "work/real: chunk work per real prediction (packing into windows: 1.000), attention and bubbles not counted"
     )
+    lines.append(
+        "pack_tails=false is the default: the packed last chunks of pack_tails=true run the document-mask bias "
+        "kernels, which cost more than the fuller chunks save on GPUs measured so far (decision 1233)"
+    )
     return "\n".join(lines)
 
 
