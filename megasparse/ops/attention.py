@@ -183,13 +183,12 @@ def _flash_bwd(g, q, k, v, out, lse, rng, scale, bias=None, causal: bool = True)
     return dq, _group_sum(dk, nkv), _group_sum(dv, nkv)
 
 
-def _aligned_rows(lse: torch.Tensor, kernel) -> torch.Tensor:
-    """``lse`` rows [b, h, m] as ``kernel``'s backward reads them (a name, or a forward's rng state naming one): the
-    memory-efficient kernel's with the head stride a multiple of 32 elements (it refuses others: its forward pads to
-    32), every other kernel's contiguous (flash ignores the strides of a padded layout and reads wrong rows: measured
-    on H100). No copy when the rows are laid out so already (a forward's own lse)."""
-    name = kernel if isinstance(kernel, str) or kernel is None else kernel[0]
-    if name != "efficient":
+def _aligned_rows(lse: torch.Tensor, kernel: str) -> torch.Tensor:
+    """``lse`` rows [b, h, m] as ``kernel``'s backward reads them: the memory-efficient kernel's with the head stride a
+    multiple of 32 elements (it refuses others: its forward pads to 32), every other kernel's contiguous (flash
+    ignores the strides of a padded layout and reads wrong rows: measured on H100). No copy when the rows are laid
+    out so already (a forward's own lse)."""
+    if kernel != "efficient":
         return lse.contiguous()
     if lse.stride(-1) == 1 and lse.stride(1) % 32 == 0:
         return lse
