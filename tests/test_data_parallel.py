@@ -4,6 +4,7 @@ steps, and divide the optimizer state by dp."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -226,31 +227,32 @@ def test_dp2_sharded_fused_masked_adamw_matches_single_process_and_resumes_at_dp
         assert ((w - full[0]["weights"][k]).norm() / w.norm()).item() < 1e-5, k
 
 
-def torch_fused_sharded(overrides: list[str], steps: int) -> dict:
-    """The sharded optimizer with torch's fused AdamW over its pieces (what CUDA runs; torch has a fused CPU kernel
-    too), and a checkpoint's kernel flags not taken over by a load."""
+@contextlib.contextmanager
+def torch_fused_adamw():
+    """The sharded optimizer built with torch's fused AdamW over its pieces (what CUDA runs; torch has a fused CPU
+    kernel too)."""
     import megasparse.optim as mo
 
     plain = mo.DistributedAdamW
     mo.DistributedAdamW = lambda *a, **k: plain(*a, **{**k, "fused": True})
     try:
-        res = train(overrides, steps)
+        yield
     finally:
         mo.DistributedAdamW = plain
-    return res
+
+
+def torch_fused_sharded(overrides: list[str], steps: int) -> dict:
+    with torch_fused_adamw():
+        return train(overrides, steps)
 
 
 def torch_fused_kernel_flags(_: None) -> dict:
-    import megasparse.optim as mo
+    """A checkpoint's kernel flags are not taken over by a load."""
     from megasparse.config import load_config
     from megasparse.train import Trainer
 
-    plain = mo.DistributedAdamW
-    mo.DistributedAdamW = lambda *a, **k: plain(*a, **{**k, "fused": True})
-    try:
+    with torch_fused_adamw():
         tr = Trainer(load_config(None, BASE + SHARDED))
-    finally:
-        mo.DistributedAdamW = plain
     tr.train_step()
     opt = tr.dp_opt.optimizer
     sd = opt.state_dict()
