@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megasparse.sparse24.decay import masked_decay_  # noqa: E402
 
 LAMBDA = 2e-4
+DATA = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "data"
 
 
 def _time(fn, reps: int, dev: torch.device) -> float:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (times mean nothing)")
-    p.add_argument("--out", default=None, help="JSON file (default docs/benchmarks/data/masked_decay_<device>.json)")
+    p.add_argument("--out", default=None, help="JSON file (default on CUDA: docs/benchmarks/data/...)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     shapes = [(2 * a.ffn, a.hidden), (a.hidden, a.ffn)] * a.layers
@@ -100,11 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     diff = int((ref != got).sum())
     print(f"rounded differently from addcmul_: {diff} of {g0.numel()} (max |d| {(ref - got).abs().max():.3g})")
     out["rounded_differently"] = diff
-    tag = where.replace("NVIDIA ", "").split()[0].lower() if dev.type == "cuda" else "cpu"
-    data = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "data"
-    path = Path(a.out) if a.out else data / f"masked_decay_{tag}.json"
-    path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {path}")
+    if a.out or dev.type == "cuda":  # a CPU smoke run writes only where it is told to
+        tag = where.replace("NVIDIA ", "").split()[0].lower()
+        path = Path(a.out) if a.out else DATA / f"masked_decay_{tag}.json"
+        path.write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
