@@ -92,6 +92,8 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
         ["data.prefix=synthetic", "train.global_batch_size=8"],
     ),
     # issue 16's data-parallel layouts (dp = 2 next to the dp = 1 layouts above) and the interleaved pipeline
+    # the distributed optimizer's own path (fused AdamW, 2:4 pieces, owned-range decay) where no 4-GPU machine is lent
+    "2gpu_8b_dp2": ("configs/gpu_8b8l_pp2.yaml", 2, ["parallel.pp=1", "parallel.distributed_optimizer=true"]),
     "4gpu_8b_tp2sp_dp2": ("configs/gpu_8b8l_tp2_sp.yaml", 4, ["parallel.distributed_optimizer=true"]),
     "4gpu_8b_pp2_dp2": ("configs/gpu_8b8l_pp2.yaml", 4, ["parallel.distributed_optimizer=true"]),
     "4gpu_8b_pp4v2": ("configs/gpu_8b8l_pp2.yaml", 4, ["parallel.pp=4", "parallel.virtual_stages=2"]),

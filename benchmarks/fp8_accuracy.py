@@ -1,5 +1,6 @@
 """fp8 accuracy study on one GPU: the same TinyLlama-shaped model on real text (the bundled Shakespeare), trained
-with bf16 GEMMs and with fp8 GEMMs (``train.fp8``), each alone, with Collider filtering and with 2:4 sparsity.
+with bf16 GEMMs and with fp8 GEMMs (``train.fp8``; ``/wgrad`` runs: ``train.fp8_wgrad`` too), each alone, with
+Collider filtering and with 2:4 sparsity.
 The gap is (fp8 − bf16) / bf16 of the final validation loss of the same combination (target: within 1 %).
 
     MEGASPARSE_CACHE=data_cache python benchmarks/fp8_accuracy.py [--steps 300] [--recipe tensorwise]
@@ -37,8 +38,20 @@ _COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=los
 _SPARSE = ["sparsity.enabled=true"]
 
 
+PAIRS = (
+    ("bf16", "fp8"),
+    ("collider", "collider+fp8"),
+    ("2:4", "2:4+fp8"),
+    ("bf16", "fp8/wgrad"),
+    ("collider", "collider+fp8/wgrad"),
+    ("2:4", "2:4+fp8/wgrad"),
+)
+"""(bf16 run, its fp8 twin): ``/wgrad`` also runs the weight gradient's GEMM in fp8 (``train.fp8_wgrad``)."""
+
+
 def plan(recipe: str) -> dict[str, list[str]]:
     fp8 = [f"train.fp8={recipe}"]
+    wgrad = [*fp8, "train.fp8_wgrad=true"]
     return {
         "bf16": [],
         "fp8": fp8,
@@ -46,6 +59,9 @@ def plan(recipe: str) -> dict[str, list[str]]:
         "collider+fp8": _COLLIDER + fp8,
         "2:4": _SPARSE,
         "2:4+fp8": _SPARSE + fp8,
+        "fp8/wgrad": wgrad,
+        "collider+fp8/wgrad": _COLLIDER + wgrad,
+        "2:4+fp8/wgrad": _SPARSE + wgrad,
     }
 
 
@@ -80,7 +96,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def start(name: str, extra: list[str], args: argparse.Namespace, work: Path, gpu: int | None):
     """Launch one run (on GPU ``gpu`` alone when given); returns (process, its output directory, start time)."""
-    out_dir = work / name.replace(":", "").replace("+", "_")
+    out_dir = work / name.replace(":", "").replace("+", "_").replace("/", "-")
     cmd = [sys.executable, "-m", "megasparse", "train", str(ROOT / "configs" / "gpu_1b_1gpu.yaml")]
     cmd += overrides(args, out_dir) + extra
     env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
@@ -118,7 +134,7 @@ def finish(name: str, extra: list[str], proc: subprocess.Popen, out_dir: Path, t
 def gaps(runs: dict[str, dict]) -> dict[str, float]:
     """(fp8 − bf16) / bf16 of the final validation loss, per combination."""
     out = {}
-    for base, fp8 in (("bf16", "fp8"), ("collider", "collider+fp8"), ("2:4", "2:4+fp8")):
+    for base, fp8 in PAIRS:
         a, b = runs.get(base, {}).get("final_val_loss"), runs.get(fp8, {}).get("final_val_loss")
         if a and b:
             out[fp8] = (b - a) / a
@@ -127,15 +143,15 @@ def gaps(runs: dict[str, dict]) -> dict[str, float]:
 
 def format_table(report: dict) -> str:
     lines = [f"fp8 accuracy on {report['device']}: {report['steps']} steps, recipe {report['recipe']}"]
-    lines.append(f"{'run':<14} {'train (last 20)':>16} {'val':>8} {'gap vs bf16':>12} {'wall s':>8}")
+    lines.append(f"{'run':<20} {'train (last 20)':>16} {'val':>8} {'gap vs bf16':>12} {'wall s':>8}")
     for name, r in report["runs"].items():
         if "error" in r:
-            lines.append(f"{name:<14} FAILED")
+            lines.append(f"{name:<20} FAILED")
             continue
         gap = report["gaps"].get(name)
         g = f"{100 * gap:+.2f}%" if gap is not None else ""
         val = f"{r['final_val_loss']:.4f}" if r["final_val_loss"] else "-"
-        lines.append(f"{name:<14} {r['final_train_loss_mean20']:>16.4f} {val:>8} {g:>12} {r['wall_s']:>8}")
+        lines.append(f"{name:<20} {r['final_train_loss_mean20']:>16.4f} {val:>8} {g:>12} {r['wall_s']:>8}")
     return "\n".join(lines)
 
 
@@ -152,12 +168,13 @@ def plot(json_path: str, out_png: str | None = None) -> str:
     for name, r in report["runs"].items():
         if "error" in r:
             continue
-        base = name.replace("+fp8", "") if name != "fp8" else "bf16"
+        base = next((b for b, f in PAIRS if f == name), name)
+        ls = ":" if name.endswith("/wgrad") else "--" if "fp8" in name else "-"
         steps, loss = zip(*r["train_curve"], strict=True)
-        ax.plot(steps, loss, color=colours.get(base, "C3"), ls="--" if "fp8" in name else "-", lw=1, label=name)
+        ax.plot(steps, loss, color=colours.get(base, "C3"), ls=ls, lw=1, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"bf16 (solid) vs fp8 {report['recipe']} (dashed), {report['device']}")
+    ax.set_title(f"bf16 (solid), fp8 {report['recipe']} (dashed; dotted: fp8 weight gradient too), {report['device']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)

@@ -307,11 +307,12 @@ def test_tp2_sp_fp8_layers_equal_per_shard_emulation_and_train_like_one_process(
 
 
 def test_fp8_wgrad_key_reaches_every_gemm_and_the_banner() -> None:
-    """``train.fp8_wgrad`` (default off, decision 1001) is what each installed GEMM runs its weight gradient with,
+    """``train.fp8_wgrad`` (default on, decision 1234) is what each installed GEMM runs its weight gradient with,
     and the banner says which."""
     from megasparse.config import load_config
     from megasparse.fp8.converter import fp8_from_config
 
+    assert load_config(None, []).train.fp8_wgrad
     for on in (False, True):
         conv = fp8_from_config(load_config(None, ["train.fp8=tensorwise", f"train.fp8_wgrad={str(on).lower()}"]))
         lin = torch.nn.Linear(32, 16, bias=False)

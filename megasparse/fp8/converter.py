@@ -30,7 +30,7 @@ def _log0(msg: str) -> None:
 class Fp8Converter:
     """Installs ``Fp8Gemm`` on a model's block linears and refreshes their fp8 weight copies after each step."""
 
-    def __init__(self, recipe: Recipe, wgrad_fp8: bool = False, min_mnk: float = 0.0, rows: int = 0) -> None:
+    def __init__(self, recipe: Recipe, wgrad_fp8: bool = True, min_mnk: float = 0.0, rows: int = 0) -> None:
         self.recipe, self.wgrad_fp8 = recipe, wgrad_fp8
         self.min_mnk, self.rows = min_mnk, rows
         """A CUDA linear runs fp8 when ``rows`` (its smallest GEMM's token rows) · out · in ≥ ``min_mnk``."""
