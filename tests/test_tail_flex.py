@@ -223,3 +223,22 @@ def test_compiled_variants_are_bounded(monkeypatch):
     with pytest.warns(UserWarning, match="recompile limit"):
         assert not tail_flex._room([((1, 8, 64, 16), 256, torch.bfloat16, True)])
     assert tail_flex._room(two) and len(tail_flex._SHAPES) == 3
+
+
+def test_packed_tail_benchmark_small(tmp_path):
+    """``bench_document_attention.py --packed-tail --small``: the mode the lead runs on a GPU, tiny on the CPU."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_document_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_document_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "tail.json"
+    assert bench.main(["--small", "--packed-tail", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["mode"] == "packed_tail" and [c["prefix"] for c in res["cases"]] == [160, 320]
+    for c in res["cases"]:
+        assert c["documents"] > 3 and c["flex_ran"]
+        assert min(c["causal_ms"], c["bias_ms"], c["flex_ms"], c["flex_build_ms"], c["bias_build_ms"]) > 0
