@@ -17,7 +17,10 @@ chunks and feed the gradients those later chunks produced back into this chunk's
 A sequence's last chunk may also hold packed short documents after its tail (``chunkflow.pack_tails``, decision
 1233): ``docs`` then masks the chunk's own attention by document and gives each row its RoPE position (the tail's
 from ``offset``, the others' from 0), and only the first ``head`` rows (the tail) attend to the prefix, merged into
-those rows alone; the other documents' rows never read or train the prefix, in the compact backward too.
+those rows alone; the other documents' rows never read or train the prefix, in the compact backward too. Where
+``data.document_attention_kernel`` picks FlexAttention (``doc_flex.chosen``) such a chunk runs ``tail_flex.py``
+instead: one flex call over prefix ++ own keys with that mask, no merge, flex's backward (decision 1239); the
+compact backward and the CPU's dense backward keep the bias kernels, fed flex's output and lse.
 """
 
 from __future__ import annotations
