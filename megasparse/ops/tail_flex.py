@@ -136,6 +136,15 @@ def _keys(pre, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch.cat([pre[0], k], 2), torch.cat([pre[1], v], 2)
 
 
+def _under_grad(q, k, v, pre, mask, scale: float):
+    """(out, lse, leaves): flex under autograd on detached leaves (q, prefix ++ k, prefix ++ v)."""
+    kc, vc = _keys(pre, k.detach(), v.detach())
+    leaves = (q.detach().requires_grad_(), kc.requires_grad_(), vc.requires_grad_())
+    with torch.enable_grad():
+        out, lse = doc_flex._flex(*leaves, mask, scale, _fns(q.is_cuda)[0])
+    return out, lse, leaves
+
+
 def forward(q, k, v, pre, docs: DocSpans, head: int, scale: float, keep: bool):
     """(out [b, h, C, d], lse [b, h, C] natural log, k_out, v_out [b, nkv, C, d], graph): attention of the chunk's
     rows ``q`` over ``pre`` (the prefix's (k, v) or None) ++ its own ``k``, ``v``. ``keep``: run under autograd on
@@ -143,15 +152,12 @@ def forward(q, k, v, pre, docs: DocSpans, head: int, scale: float, keep: bool):
     of the concatenated leaves (no second copy of the chunk's keys/values), else contiguous copies."""
     prefix = 0 if pre is None else pre[0].shape[2]
     mask = block_mask(docs, head, prefix, q.device)
-    fn = _fns(q.is_cuda)[0]
-    kc, vc = _keys(pre, k.detach(), v.detach())
     if not keep:
-        out, lse = doc_flex._flex(q.detach(), kc, vc, mask, scale, fn)
+        kc, vc = _keys(pre, k.detach(), v.detach())
+        out, lse = doc_flex._flex(q.detach(), kc, vc, mask, scale, _fns(q.is_cuda)[0])
         return out, lse, k.contiguous(), v.contiguous(), None
-    with torch.enable_grad():
-        leaves = (q.detach().requires_grad_(), kc.requires_grad_(), vc.requires_grad_())
-        out, lse = doc_flex._flex(*leaves, mask, scale, fn)
-    k_out, v_out = kc.detach()[:, :, prefix:], vc.detach()[:, :, prefix:]
+    out, lse, leaves = _under_grad(q, k, v, pre, mask, scale)
+    k_out, v_out = (t.detach()[:, :, prefix:] for t in leaves[1:])
     return out.detach(), lse.detach(), k_out, v_out, (leaves, out)
 
 
@@ -160,12 +166,8 @@ def backward(go, graph, q, k, v, pre, docs: DocSpans, head: int, scale: float):
     ``graph`` (the forward's), or by running flex again under autograd on the saved q, k, v and ``pre``."""
     prefix = 0 if pre is None else pre[0].shape[2]
     if graph is None:
-        mask = block_mask(docs, head, prefix, q.device)
-        with torch.enable_grad():
-            kc, vc = _keys(pre, k.detach(), v.detach())
-            graph = (q.detach().requires_grad_(), kc.requires_grad_(), vc.requires_grad_()), None
-            out, _ = doc_flex._flex(*graph[0], mask, scale, _fns(q.is_cuda)[0])
-            graph = graph[0], out
+        out, _, leaves = _under_grad(q, k, v, pre, block_mask(docs, head, prefix, q.device), scale)
+        graph = (leaves, out)
     dq, dkc, dvc = torch.autograd.grad(graph[1], graph[0], go)
     if pre is None:
         return dq, dkc, dvc, None, None
