@@ -21,6 +21,17 @@ Mixes, documents packed back to back into the windows like ``megasparse preproce
 
 ``bias_kernel`` says which bias kernel ran (``cudnn``, or ``efficient`` when cuDNN refused the bias). ``--small``
 runs tiny shapes on the CPU (the smoke test's mode; its times mean nothing, flex runs unfused there).
+
+``--packed-tail`` (decision 1239) times instead ONE 8B-shaped layer's attention, forward + backward, of a ChunkFlow
+last chunk (``--chunk`` rows over a prefix of each ``--prefix`` length, ``ops/prefix_attention.py``) three ways:
+``causal``: the sequence's plain last chunk (every row its tail: causal + the whole prefix, two kernels merged);
+``bias``: the tail's ``--head`` rows then log-normal documents (median ``--doc-len``, σ = 1) packed into the rest,
+on the document-mask bias kernels (decision 1233); ``flex``: the same chunk on one FlexAttention call (decision
+1239). The prefix's gradients go into fp32 buffers as the K/V store's do. ``*_build_ms``: the chunk's mask (shared
+by every layer: charge 1/layers of it). Writes ``docs/benchmarks/data/bench_packed_tail_<device>.json`` on CUDA
+(``--out`` overrides).
+
+    python benchmarks/bench_document_attention.py --packed-tail [--chunk 8192] [--prefix 8192,16384] [--head 3000]
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -40,8 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megasparse.model.config import ModelConfig  # noqa: E402
 from megasparse.model.gpt import TransformerBlock  # noqa: E402
 from megasparse.ops import attention as attn  # noqa: E402
-from megasparse.ops import doc_flex  # noqa: E402
+from megasparse.ops import doc_flex, tail_flex  # noqa: E402
 from megasparse.ops.documents import DocSpans  # noqa: E402
+from megasparse.ops.prefix_attention import prefix_attention  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 
 EOD = 0
@@ -154,6 +167,120 @@ def table(rows: list[dict], dev: str) -> str:
     return "\n".join(lines)
 
 
+class _Prefix:
+    """The earlier chunks' keys/values of one layer, their gradients summed into fp32 buffers (as ``KVStore``)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+        self.dk, self.dv = (torch.zeros_like(t, dtype=torch.float32) for t in (k, v))
+
+    def prefix(self):
+        return self.k, self.v
+
+    def kept(self):
+        return None
+
+    def add_grad(self, dk, dv, rows=None):
+        self.dk.add_(dk)
+        self.dv.add_(dv)
+
+
+def tail_spans(chunk: int, prefix: int, head: int, doc_len: int, kernel: str, gen: torch.Generator) -> DocSpans:
+    """A packed last chunk: the tail's ``head`` rows (RoPE from ``prefix``), then whole log-normal documents
+    (median ``doc_len``, σ = ``SIGMA``; a draw that does not fit is skipped, as first-fit would put it elsewhere,
+    until 20 in a row did not), the rest one padding document (as ``chunkflow/step.py`` lays it)."""
+    lengths, misses = [head], 0
+    while misses < 20:
+        n = max(1, round(doc_len * float(torch.exp(SIGMA * torch.randn((), generator=gen, dtype=torch.float64)))))
+        fits = sum(lengths) + n <= chunk
+        lengths += [n] if fits else []
+        misses = 0 if fits else misses + 1
+    seg, pos = [], []
+    for i, n in enumerate([*lengths, chunk - sum(lengths)]):
+        seg += [i] * n
+        pos += [(prefix if i == 0 else 0) + t for t in range(n)]
+    return DocSpans(torch.tensor(seg).view(-1, 1), torch.tensor(pos).view(-1, 1), kernel)
+
+
+def packed_tail(cfg: ModelConfig, chunk: int, prefix: int, head: int, doc_len: int, device, dtype, reps: int) -> dict:
+    """One row of ``--packed-tail``: the three ways' attention fwd + bwd, and each mask's build."""
+    nq, nkv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
+    one = tail_spans(chunk, prefix, head, doc_len, "bias", torch.Generator().manual_seed(0))
+    spans = {k: DocSpans(one.segments.to(device), one.positions.to(device), k) for k in KERNELS}  # the same documents
+    cos, sin = attn.rope_tables(prefix + chunk, d, cfg.rope_theta, device)
+    qkv = torch.randn(chunk, 1, (nq + 2 * nkv) * d, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(chunk, 1, nq * d, device=device, dtype=dtype)
+    source = _Prefix(*(torch.randn(1, nkv, prefix, d, device=device, dtype=dtype) for _ in range(2)))
+
+    def op(kernel: str | None):
+        qkv.grad = None
+        docs, rows = (None, None) if kernel is None else (spans[kernel], head)
+        y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, source, None, docs, rows)
+        y.backward(g)
+
+    def build(kernel: str):
+        docs = DocSpans(spans[kernel].segments, spans[kernel].positions, kernel)
+        if kernel == "flex":
+            tail_flex.block_mask(docs, head, prefix, device)
+        else:
+            attn._doc_bias(docs, qkv.new_empty(0))
+
+    documents = int(spans["flex"].segments.max()) + 1
+    row = dict(chunk=chunk, prefix=prefix, head=head, doc_len=doc_len, documents=documents)
+    row["causal_ms"] = timed(lambda: op(None), reps, device)
+    for k in KERNELS:
+        row[f"{k}_ms"] = timed(lambda k=k: op(k), reps, device)
+        row[f"{k}_ratio"] = row[f"{k}_ms"] / row["causal_ms"]
+        row[f"{k}_build_ms"] = timed(lambda k=k: build(k), reps, device)
+    row["flex_over_bias"] = row["flex_ms"] / row["bias_ms"]
+    row["flex_ran"] = doc_flex._OK["ok"]  # False: a flex call failed and the bias kernels ran its rows
+    return row
+
+
+def tail_table(rows: list[dict], dev: str) -> str:
+    lines = [
+        f"{'chunk':>6} {'prefix':>6} {'head':>5} {'docs':>5} | {'causal+prefix':>13} {'packed bias':>17} "
+        f"{'packed flex':>17} {'flex/bias':>9} | {'bias build':>10} {'flex mask':>9}   ({dev}; fwd+bwd of one layer)"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['chunk']:>6} {r['prefix']:>6} {r['head']:>5} {r['documents']:>5} | {r['causal_ms']:>11.2f}ms "
+            + " ".join(f"{r[f'{k}_ms']:>8.2f}ms ({r[f'{k}_ratio']:.2f}×)" for k in KERNELS)
+            + f" {r['flex_over_bias']:>9.2f} | {r['bias_build_ms']:>8.3f}ms {r['flex_build_ms']:>7.3f}ms"
+            + ("" if r["flex_ran"] else "  (flex FAILED: bias ran)")
+        )
+    return "\n".join(lines)
+
+
+def main_packed_tail(a) -> int:
+    small = a.small or not torch.cuda.is_available()
+    device = torch.device("cpu" if small else "cuda")
+    if small:
+        cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128)
+        chunk, prefixes, head, dtype, reps, doc_len = 160, [160, 320], 50, torch.float32, 1, 24
+    else:
+        cfg = ModelConfig(
+            num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+            rope_theta=500000.0,
+        )  # fmt: skip
+        chunk, head, dtype, reps, doc_len = a.chunk, a.head, torch.bfloat16, a.reps, a.doc_len
+        prefixes = [int(p) for p in a.prefix.split(",")]
+    rows = [packed_tail(cfg, chunk, p, head, doc_len, device, dtype, reps) for p in prefixes]
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    result = {"device": dev, "torch": torch.__version__, "sigma": SIGMA, "mode": "packed_tail", "cases": rows}
+    out = a.out
+    if not out and device.type == "cuda":
+        name = re.search(r"[A-Z]\d{3}", dev)  # "NVIDIA H100 80GB HBM3" -> "h100"
+        slug = name.group(0).lower() if name else re.sub(r"\W+", "_", dev.lower())
+        out = str(Path(__file__).resolve().parent.parent / "docs/benchmarks/data" / f"bench_packed_tail_{slug}.json")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    print(tail_table(rows, dev))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", default="4096,8192")
@@ -163,7 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU (smoke test)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--packed-tail", action="store_true", help="ChunkFlow's packed last chunk (decision 1239)")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--prefix", default="8192,16384")
+    ap.add_argument("--head", type=int, default=3000)
     a = ap.parse_args(argv)
+    if a.packed_tail:
+        return main_packed_tail(a)
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29543", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         os.environ.setdefault(k, v)
     small = a.small or not torch.cuda.is_available()

@@ -450,13 +450,38 @@ def _compare_packed(kernel: str = "bias", overrides=()) -> tuple[float, float, i
     return tok, max(_rel(grads[n], ref[n]) for n in ref), work.plan.num_chunks, tail
 
 
-@pytest.mark.parametrize("kernel", ["bias", "flex"])
-def test_packed_chunks_with_document_attention_train_like_whole_sequences(kernel: str) -> None:
+@pytest.mark.parametrize("kernel", ["bias", "flex", "flex-backward"])
+def test_packed_chunks_with_document_attention_train_like_whole_sequences(kernel: str, monkeypatch) -> None:
+    """``flex``: the packed chunks and the long sequence's packed last chunk (decision 1239) run FlexAttention's
+    forward, the bias kernels' backward (CPU); ``flex-backward``: flex's own backward too, the GPU's route (torch
+    refuses it on CPU only by a device check)."""
     pytest.importorskip("megasparse.ops.documents", reason="document attention (issue 30 item 1) not in this tree")
-    (res,) = run_distributed(_compare_packed, 1, kernel)
+    from megasparse.ops import doc_flex, tail_flex
+
+    calls = {"forward": 0, "backward": 0}
+
+    def counting(name: str):
+        fn = getattr(tail_flex, name)
+
+        def counted(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(tail_flex, name, counting(name))
+    if kernel == "flex-backward":
+        import torch.nn.attention.flex_attention as fa
+
+        monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+        monkeypatch.setattr(doc_flex, "has_backward", lambda q: True)
+    (res,) = run_distributed(_compare_packed, 1, kernel.split("-")[0])  # world 1: in this process, patched
     tok, grad, chunks, tail = res
     assert chunks == 4 + 2 + 2 and tail == 3  # the five short sequences share two chunks and the long one's last
     assert tok < 1e-5 and grad < 1e-5, res
+    layers = 4  # the packed last chunk in every layer, once (it keeps its graph: K = 1 reruns the earlier ones)
+    assert calls == {"forward": layers * (kernel != "bias"), "backward": layers * (kernel == "flex-backward")}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,7 +1,9 @@
 """ChunkFlow's last chunk with packed short documents (decision 1233) on CUDA: the prefix attention with a document
 mask and the prefix seen by the tail's rows only (cuDNN bf16 with a mask bias, the memory-efficient kernel beside
 flash for the prefix when cuDNN is off, fp32) against the fp64 reference, dense and Collider's compact backward;
-and the packed chunked step against whole sequences (fp32, the dense and the collider one)."""
+the same chunk on FlexAttention (decision 1239: one compiled flex call over prefix ++ own keys, flex's backward)
+against the bias kernels and fp64; and the packed chunked step against whole sequences (fp32, the dense and the
+collider one; the dense one on flex too)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 
-def _tail_docs(prefix: int, pieces: list[int], s: int) -> DocSpans:
+def _tail_docs(prefix: int, pieces: list[int], s: int, kernel: str = "bias") -> DocSpans:
     """Piece 0 the tail (positions from ``prefix``), the others documents from 0, the rest one padding document."""
     seg, pos = [], []
     for i, n in enumerate(pieces + [s - sum(pieces)]):
         seg += [i] * n
         pos += [(prefix if i == 0 else 0) + t for t in range(n)]
-    return DocSpans(torch.tensor(seg, device="cuda").view(-1, 1), torch.tensor(pos, device="cuda").view(-1, 1))
+    to = {"device": "cuda"}
+    return DocSpans(torch.tensor(seg, **to).view(-1, 1), torch.tensor(pos, **to).view(-1, 1), kernel)
 
 
 @pytest.mark.parametrize(
@@ -69,6 +72,44 @@ def test_packed_last_chunk_prefix_attention_matches_fp64(monkeypatch, dtype, cud
     assert _rel(src.got[0], k64.grad[:, :, at]) < tol and _rel(src.got[1], v64.grad[:, :, at]) < tol
 
 
+def _packed_tail_run(kernel: str, dtype: torch.dtype, seed: int = 7):
+    """One packed last chunk (640 rows: a 300-row tail, documents of 77, 1, 150 and 90 rows, padding) over a
+    1280-row prefix through ``prefix_attention`` on ``kernel``: (y, dqkv, dk_prefix, dv_prefix), the fp64
+    reference's, and the chunk's spans."""
+    torch.manual_seed(seed)
+    s, prefix, nq, nkv, d, pieces = 640, 1280, 8, 2, 128, [300, 77, 1, 150, 90]
+    docs = _tail_docs(prefix, pieces, s, kernel)
+    cos, sin = rope_tables(prefix + s, d, 500000.0, "cuda")
+    qkv = torch.randn(s, 1, (nq + 2 * nkv) * d, device="cuda", dtype=dtype, requires_grad=True)
+    kp, vp = (torch.randn(1, nkv, prefix, d, device="cuda", dtype=dtype) for _ in range(2))
+    src = _Source(kp, vp)
+    y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, src, None, docs, pieces[0])
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    x, k64, v64 = (t.detach().double().requires_grad_() for t in (qkv, kp, vp))
+    ref = prefix_attention_reference(x, nq, nkv, cos.double(), sin.double(), prefix, k64, v64, None, None, docs,
+                                     pieces[0])  # fmt: skip
+    ref[0].backward(gy.double())
+    return (y, qkv.grad, *src.got), (ref[0], x.grad, k64.grad, v64.grad), docs
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+def test_packed_last_chunk_on_flex_equals_the_bias_kernels(dtype, tol: float):
+    """Forward and every gradient (q/k/v through the input rows, the prefix's keys and values) of the flex path
+    against the bias kernels' path on the same inputs and against fp64; flex ran (its mask, no bias built) and did
+    not fall back."""
+    from megasparse.ops import doc_flex
+
+    flex, ref, docs = _packed_tail_run("flex", dtype)
+    bias, _, bias_docs = _packed_tail_run("bias", dtype)
+    assert doc_flex._OK["ok"], "a flex call failed: the bias kernels ran"
+    assert any(isinstance(k, tuple) and k[0] == "tail_flex_mask" for k in docs._cache)
+    assert not any(isinstance(k, tuple) and k[0] == "bias" for k in docs._cache)
+    assert any(isinstance(k, tuple) and k[0] == "bias" for k in bias_docs._cache)
+    for name, a, b, r in zip(("y", "dqkv", "dk_prefix", "dv_prefix"), flex, bias, ref):
+        assert _rel(a, r) < tol and _rel(b, r) < tol and _rel(a, b.double()) < tol, (name, _rel(a, r), _rel(b, r))
+
+
 def test_packed_tail_chunked_step_matches_whole_sequences_on_cuda():
     """The dense step (K = 1: the long sequence's earlier chunks rerun) and collider (K = 1 and 4), fp32."""
     from distributed import run_distributed
@@ -79,3 +120,17 @@ def test_packed_tail_chunked_step_matches_whole_sequences_on_cuda():
     assert chunks == 8 and tail == 3 and tok < 1e-4 and grad < 1e-4, (tok, grad)
     (res,) = run_distributed(_compare_filtered, 1, "random", "collider", (1, 4), True, gpu)
     _check_filtered(res, tol=1e-4)
+
+
+def test_packed_tail_chunked_step_on_flex_matches_whole_sequences_on_cuda():
+    """The dense step with ``data.document_attention_kernel=flex`` (fp32): the packed chunks and the long sequence's
+    packed last chunk compile and run flex, forward and backward (decision 1239)."""
+    from distributed import run_distributed
+    from test_chunkflow import _compare_packed
+
+    from megasparse.ops import doc_flex
+
+    gpu = ("train.device=cuda", "train.dtype=fp32", "parallel.backend=nccl")
+    ((tok, grad, chunks, tail),) = run_distributed(_compare_packed, 1, "flex", gpu)
+    assert doc_flex._OK["ok"], "a flex call failed: the bias kernels ran"
+    assert chunks == 8 and tail == 3 and tok < 1e-4 and grad < 1e-4, (tok, grad)

@@ -40,8 +40,9 @@ class ChunkFlowConfig:
     padding after a long sequence's last piece (decision 1233). Only the long sequence's rows of that chunk attend to
     its earlier chunks; the short documents attend within themselves from position 0. Exact on GPU, and on the
     benchmark's long-tail set it lifts the chunks' fill from 91% to 99%, but on 4 H200s the step ran 10-11% slower:
-    those chunks' own attention takes the document-mask bias kernels (2.5-3x causal attention) in every layer. Off
-    by default until the packed last chunk runs FlexAttention."""
+    those chunks' own attention took the document-mask bias kernels (2.5-3x causal attention) in every layer. They
+    now run FlexAttention where ``data.document_attention_kernel`` picks it (decision 1239); off by default until a
+    4-GPU A/B shows that pays (decision 1233)."""
     sequences_in_flight: int = 1
     """``state_aware``: long sequences in progress on a stage at once. 2 lets the next sequence's forwards fill
     the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones) at the

@@ -153,7 +153,8 @@ class ChunkFlowStep:
             chunk = group.chunks[j]
             if kv is not None and len(chunk.pieces) > 1:  # a long sequence's last chunk holding short documents
                 # spans made per forward, like a packed chunk's: their memoised masks go with this chunk's graph
-                kv.pack(_tail_spans(chunk, arrays[j][2], self.c, self.device), chunk.pieces[0].count)
+                spans = _tail_spans(chunk, arrays[j][2], self.c, self.device, self.doc_kernel)
+                kv.pack(spans, chunk.pieces[0].count)
             keep = KeepHolder()
             out = stage(ids[j] if stage.first else x, targets[j], keep, **ctx)
             if not stage.last:
@@ -175,11 +176,11 @@ class ChunkFlowStep:
         return forward
 
 
-def _tail_spans(chunk: Chunk, starts: list[int], c: int, device: torch.device) -> DocSpans:
+def _tail_spans(chunk: Chunk, starts: list[int], c: int, device: torch.device, kernel: str) -> DocSpans:
     """The documents of a long sequence's last chunk that also holds short ones: piece i is document i, at positions
     from the chunk's ``offset`` (the tail) or from 0 (the packed documents), taken from the plan rather than from
-    end-of-document ids (a long sequence may hold one inside); the padding after them is one more document. Bias
-    kernel: the prefix attention's."""
+    end-of-document ids (a long sequence may hold one inside); the padding after them is one more document.
+    ``kernel``: ``data.document_attention_kernel``, as for the packed chunks (flex or the bias, decision 1239)."""
     seg = np.full(c, len(chunk.pieces), dtype=np.int64)
     pos = np.arange(c, dtype=np.int64)
     end = 0
@@ -189,7 +190,7 @@ def _tail_spans(chunk: Chunk, starts: list[int], c: int, device: torch.device) -
         pos[at:end] = np.arange(end - at) + (chunk.offset if i == 0 else 0)
     pos[end:] -= end
     to = partial(torch.as_tensor, device=device)
-    return DocSpans(to(seg).view(-1, 1), to(pos).view(-1, 1), "bias")
+    return DocSpans(to(seg).view(-1, 1), to(pos).view(-1, 1), kernel)
 
 
 def chunk_step(

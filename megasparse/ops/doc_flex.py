@@ -122,11 +122,12 @@ def block_mask(docs: DocSpans, device: torch.device):
     return docs.derived(("flex_mask", device.type), build)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float):
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, fn=None):
     """(out, lse): lse natural-log [b, h, s] fp32. torch >= 2.9 asks for it with ``return_aux=AuxRequest(lse=True)``,
     older with ``return_lse=True``; both return the natural logarithm (the kernels keep log2 statistics and the
-    public function rescales them by ln 2; ``tests/test_doc_flex.py`` checks it against an fp64 logsumexp)."""
-    mod, fn = _module(), _fns(q.is_cuda)[0]
+    public function rescales them by ln 2; ``tests/test_doc_flex.py`` checks it against an fp64 logsumexp).
+    ``fn``: flex_attention or a compiled wrapper of it (``tail_flex``'s); default: this module's."""
+    mod, fn = _module(), fn or _fns(q.is_cuda)[0]
     if "aux" not in _FN:  # asked once: the signature is read on the host
         _FN["aux"] = "return_aux" in inspect.signature(mod.flex_attention).parameters
     if _FN["aux"]:

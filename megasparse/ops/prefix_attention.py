@@ -17,7 +17,10 @@ chunks and feed the gradients those later chunks produced back into this chunk's
 A sequence's last chunk may also hold packed short documents after its tail (``chunkflow.pack_tails``, decision
 1233): ``docs`` then masks the chunk's own attention by document and gives each row its RoPE position (the tail's
 from ``offset``, the others' from 0), and only the first ``head`` rows (the tail) attend to the prefix, merged into
-those rows alone; the other documents' rows never read or train the prefix, in the compact backward too.
+those rows alone; the other documents' rows never read or train the prefix, in the compact backward too. Where
+``data.document_attention_kernel`` picks FlexAttention (``doc_flex.chosen``) such a chunk runs ``tail_flex.py``
+instead: one flex call over prefix ++ own keys with that mask, no merge, flex's backward (decision 1239); the
+compact backward and the CPU's dense backward keep the bias kernels, fed flex's output and lse.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from megasparse.ops import doc_flex, tail_flex
 from megasparse.ops.attention import _doc_bias, _flash_bwd, _flash_fwd, _rotated, _rows_at
 from megasparse.ops.compact import CompactGrad
 from megasparse.ops.documents import DocSpans
@@ -66,46 +70,64 @@ def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tenso
 
 class PrefixAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, nq: int, nkv: int, cos, sin, offset: int, source: PrefixSource, bias, docs, head):
+    def forward(ctx, qkv, nq: int, nkv: int, cos, sin, offset: int, source: PrefixSource, bias, docs, head, wants):
         if bias is not None:
             qkv = qkv + bias
         s, b, _ = qkv.shape
         q, k, v = _rotated(qkv, nq, nkv, cos, sin, docs, offset=offset)
         d = q.shape[-1]
         scale = d**-0.5
-        out, lse, rng = _flash_fwd(q, k, v, scale, None if docs is None else _doc_bias(docs, q))
         pre = source.prefix()
-        rng_p = None
-        if pre is not None:
-            o_p, l_p, rng_p = _flash_fwd(q[:, :, :head], pre[0], pre[1], scale, causal=False)
-            out, lse = _merge(out, lse, o_p, l_p)
+        ctx.graph = None  # flex's (leaves, output) under autograd, for the dense backward (decisions 1202, 1239)
+        keep = head is not None and doc_flex.keeps_graph(q, wants)
+        flex = head is not None and tail_flex.chosen(docs, q, 0 if pre is None else pre[0].shape[2], keep)
+        if flex:  # a packed last chunk on FlexAttention: one call over prefix ++ own keys (decision 1239)
+            try:
+                out, lse, k_out, v_out, ctx.graph = tail_flex.forward(q, k, v, pre, docs, head, scale, keep)
+                rng = rng_p = doc_flex.bias_rng(q, docs)  # the bias kernels' backward, where flex has none
+            except Exception as e:  # noqa: BLE001 - a compiler's or kernel's failure: the bias kernels take over
+                doc_flex.flex_failed(e, q)
+                flex = False
+        if not flex:
+            out, lse, rng = _flash_fwd(q, k, v, scale, None if docs is None else _doc_bias(docs, q))
+            rng_p = None
+            if pre is not None:
+                o_p, l_p, rng_p = _flash_fwd(q[:, :, :head], pre[0], pre[1], scale, causal=False)
+                out, lse = _merge(out, lse, o_p, l_p)
+            k_out, v_out = k.contiguous(), v.contiguous()  # [b, nkv, s, d]: what the later chunks read
         y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
-        k_out, v_out = k.contiguous(), v.contiguous()  # [b, nkv, s, d]: what the later chunks read
         ctx.save_for_backward(q, k_out, v_out, out, lse, cos, sin)
         ctx.meta = (nq, nkv, d, scale, rng, rng_p, offset, qkv.shape, bias is not None)
-        ctx.source, ctx.docs, ctx.head = source, docs, head
+        ctx.source, ctx.docs, ctx.head, ctx.flex = source, docs, head, flex
         ctx.set_materialize_grads(False)  # a chunk without later chunks gets no k/v gradient: no zeros made for it
         return y, k_out, v_out
 
     @staticmethod
     def backward(ctx, g, gk, gv):
+        graph, ctx.graph = ctx.graph, None  # the kept flex graph goes with this backward, whichever path it takes
         if isinstance(g, CompactGrad):
+            del graph  # the compact backward takes the bias kernels with the forward's out and lse (decision 1201)
             return _compact_backward(ctx, g, gk, gv)
         nq, nkv, d, scale, rng, rng_p, offset, shape, has_bias = ctx.meta
         q, k, v, out, lse, cos, sin = ctx.saved_tensors
         s, b, w = shape
         go = g.reshape(s, b, nq, d).permute(1, 2, 0, 3)
         docs, head = ctx.docs, ctx.head
-        dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale, None if docs is None else _doc_bias(docs, q))
         pre = ctx.source.prefix()  # the same tensors as in the forward (the caller keeps them until this backward)
-        if pre is not None and head is None:
-            kp, vp = pre
-            dq_p, dkp, dvp = _flash_bwd(go, q, kp, vp, out, lse, rng_p, scale, causal=False)
-            dq = dq + dq_p
-            ctx.source.add_grad(dkp, dvp)
-        elif pre is not None:  # only the tail's rows saw the prefix
-            dkp, dvp = _prefix_rows_bwd(dq, go, q, out, lse[..., :head], pre, rng_p, scale, head)
-            ctx.source.add_grad(dkp, dvp)
+        grads = _flex_backward(ctx, graph, go, q, k, v, pre) if ctx.flex else None
+        if grads is not None:
+            dq, dk, dv = grads
+        else:  # the bias kernels (after a flex forward too: its out and lse are the merged ones)
+            if ctx.flex:  # its k, v are views of the concatenated keys: laid out as the kernels expect them
+                k, v = k.contiguous(), v.contiguous()
+            dq, dk, dv = _flash_bwd(go, q, k, v, out, lse, rng, scale, None if docs is None else _doc_bias(docs, q))
+            if pre is not None and head is None:
+                dq_p, dkp, dvp = _flash_bwd(go, q, pre[0], pre[1], out, lse, rng_p, scale, causal=False)
+                dq = dq + dq_p
+                ctx.source.add_grad(dkp, dvp)
+            elif pre is not None:  # only the tail's rows saw the prefix
+                dkp, dvp = _prefix_rows_bwd(dq, go, q, out, lse[..., :head], pre, rng_p, scale, head)
+                ctx.source.add_grad(dkp, dvp)
         if gk is not None:  # the later chunks' gradients of this chunk's keys/values
             dk = dk + gk
         if gv is not None:
@@ -113,7 +135,22 @@ class PrefixAttentionFn(torch.autograd.Function):
         pos = torch.arange(offset, offset + s, device=q.device) if docs is None else docs.rope_positions()[0]
         dqkv = _unrotated(dq, dk, dv, cos, sin, pos).reshape(shape)
         db = dqkv.reshape(-1, w).sum(0) if has_bias else None
-        return dqkv, None, None, None, None, None, None, db, None, None
+        return dqkv, None, None, None, None, None, None, db, None, None, None
+
+
+def _flex_backward(ctx, graph, go, q, k, v, pre):
+    """A packed last chunk's dense backward through flex (decision 1239; its prefix gradients sent to the source),
+    or None where torch has no flex backward (CPU) or flex failed (the bias kernels run instead)."""
+    if not (doc_flex.has_backward(q) and doc_flex.chosen(ctx.docs.kernel, q)):
+        return None
+    try:  # the prefix's gradients come from the tail's rows only (the mask)
+        dq, dk, dv, dkp, dvp = tail_flex.backward(go, graph, q, k, v, pre, ctx.docs, ctx.head, ctx.meta[3])
+    except Exception as e:  # noqa: BLE001 - as in the forward: the bias kernels' backward instead
+        doc_flex.flex_failed(e, q)
+        return None
+    if dkp is not None:
+        ctx.source.add_grad(dkp, dvp)
+    return dq, dk, dv
 
 
 def _prefix_rows_bwd(dq, go, q, out, lse, pre, rng, scale: float, rows: int):
@@ -180,7 +217,7 @@ def _compact_backward(ctx, g: CompactGrad, gk, gv):
     at = pos + offset if docs is None else docs.rope_positions()[0].index_select(0, pos)
     rows = _unrotated(dq, dk, dv, cos, sin, at).reshape(m, w)
     db = rows.sum(0) if has_bias else None
-    return CompactGrad(rows, g.meta, shape), None, None, None, None, None, None, db, None, None
+    return CompactGrad(rows, g.meta, shape), None, None, None, None, None, None, db, None, None, None
 
 
 def prefix_attention(
@@ -201,7 +238,8 @@ def prefix_attention(
     the prefix; the rest are packed documents (attention within each, RoPE at ``docs``' positions, which for the
     tail's rows must already count from ``offset``)."""
     assert (docs is None) == (head is None), "a packed last chunk names its documents and its tail's rows"
-    return PrefixAttentionFn.apply(qkv, nq, nkv, cos, sin, offset, source, bias, docs, head)
+    wants = torch.is_grad_enabled() and (qkv.requires_grad or (bias is not None and bias.requires_grad))
+    return PrefixAttentionFn.apply(qkv, nq, nkv, cos, sin, offset, source, bias, docs, head, wants)
 
 
 def prefix_attention_reference(

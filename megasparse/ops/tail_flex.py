@@ -1,0 +1,174 @@
+"""FlexAttention for a ChunkFlow last chunk that holds packed short documents (``chunkflow.pack_tails``, decisions
+1233 and 1239).
+
+Such a chunk's rows [0, head) are a long sequence's tail, which sees the sequence's earlier chunks (the prefix: P
+rotated keys/values from the ``PrefixSource``) and itself causally; the other rows are whole short documents, each
+attending within itself. ``ops/prefix_attention.py`` runs that as two bias-masked kernels merged by log-sum-exp; here
+it is ONE flex call: queries = the chunk's C rows, keys/values = prefix ++ the chunk's own (P + C), and a block mask
+whose rule is "key < P: the query is a tail row; key ≥ P: same document and causal within the chunk". The softmax
+runs over both parts at once, so there is no merge, and flex's own autograd gives dq and the gradients of the
+concatenated keys/values, whose first P rows are the prefix's (only the tail's rows reach them, by the mask).
+
+- *Mask.* Built on the device from ``DocSpans.segments`` and ``head`` (a device comparison, no host read),
+  memoised on the chunk's spans for every layer (like ``doc_flex.block_mask``). Tables padded to whole tiles.
+- *Compilation.* On CUDA the call and the mask builder are compiled (static shapes) through wrappers of their own,
+  so their dynamo cache is not the packed chunks' (``doc_flex``): one compiled variant per prefix length P (a
+  multiple of C below the longest sequence: at most ``max_length / C − 1`` of them) and route. ``_room`` stops
+  choosing flex for a new shape once dynamo's recompile limit would be reached (dynamo would then run flex
+  eagerly, materialising the [C, P + C] scores); such a chunk runs the bias kernels.
+- *Backward.* As ``doc_flex`` (decision 1202): the forward's flex graph kept for the dense backward unless a
+  saved-tensor hook is active (then flex runs again in the backward). Without a flex backward (CPU) the caller's
+  bias kernels run with flex's output and lse, which are the merged ones. Collider's compact backward always takes
+  the bias kernels (decision 1201's reason: the kept rows need the full softmax's lse).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from megasparse.ops import doc_flex
+from megasparse.ops.documents import DocSpans
+
+__all__ = ["backward", "block_mask", "chosen", "forward"]
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as _flex_attention
+except ImportError:  # doc_flex.available() is False then, and so is ``chosen``
+    _create_block_mask = _flex_attention = None
+
+
+def _tail_flex_attention(q, k, v, **kw):
+    """flex_attention under a name of its own: compiled, its cache (and recompile limit) is separate."""
+    return _flex_attention(q, k, v, **kw)
+
+
+def _tail_block_mask(mask_mod, q_len: int, kv_len: int, device):
+    return _create_block_mask(mask_mod, 1, None, q_len, kv_len, device=device)
+
+
+_FN: dict[str, Any] = {}
+_SHAPES: set = set()
+"""The compiled flex variants used so far on CUDA (shape, dtype, grad): bounded by ``_room``."""
+
+
+def _fns(cuda: bool):
+    """(flex_attention, create_block_mask) for the tail: compiled once per process on CUDA, eager on CPU."""
+    if not cuda:
+        return _flex_attention, _tail_block_mask
+    if "cuda" not in _FN:
+        _FN["cuda"] = (
+            torch.compile(_tail_flex_attention, dynamic=False),
+            torch.compile(_tail_block_mask, dynamic=False),
+        )
+    return _FN["cuda"]
+
+
+def _limit() -> int:
+    cfg = torch._dynamo.config
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+
+
+def _room(keys: list[tuple]) -> bool:
+    """Whether every compiled variant ``keys`` names is compiled already or still fits under dynamo's recompile
+    limit (then they are counted as compiled). One warning the first time a chunk is refused."""
+    new = [k for k in keys if k not in _SHAPES]
+    if len(_SHAPES) + len(new) > _limit():
+        if not _FN.get("warned"):
+            _FN["warned"] = True
+            warnings.warn(
+                f"megasparse: a packed last chunk of a new prefix length ({keys[0][1]} keys) would pass dynamo's "
+                f"recompile limit ({_limit()} FlexAttention variants); such chunks run the bias kernels",
+                stacklevel=3,
+            )
+        return False
+    _SHAPES.update(new)
+    return True
+
+
+def chosen(docs: DocSpans, q: torch.Tensor, prefix: int, keep: bool) -> bool:
+    """Whether the packed last chunk of ``q`` runs on flex: ``docs.kernel`` decides as for every document attention
+    (``doc_flex.chosen``: ``auto`` is flex on CUDA at bf16/fp16), and on CUDA its compiled variants must fit
+    (``_room``); ``keep``: the forward keeps flex's graph (one variant) rather than rerunning it (two)."""
+    if not doc_flex.chosen(docs.kernel, q):
+        return False
+    if not q.is_cuda:
+        return True
+    shape = (tuple(q.shape), q.shape[2] + prefix)  # a variant: (q's shape, the keys' length, dtype, under grad)
+    return _room([(*shape, q.dtype, True)] if keep else [(*shape, q.dtype, False), (*shape, q.dtype, True)])
+
+
+def _rule(prefix: int, tail: torch.Tensor, qseg: torch.Tensor, kseg: torch.Tensor):
+    """The mask_mod: a key before ``prefix`` is seen by the tail's rows (``tail[q]``); a key of the chunk by the rows
+    of its document at or after it. (A function of its own: the tests swap it for broken rules.)"""
+
+    def tail_and_documents(b, h, qi, ki):
+        own = ki >= prefix
+        return (~own & tail[qi]) | (own & (ki - prefix <= qi) & (qseg[b, qi] == kseg[b, ki]))
+
+    return tail_and_documents
+
+
+def block_mask(docs: DocSpans, head: int, prefix: int, device: torch.device):
+    """The chunk's BlockMask over prefix ++ own keys, built once per chunk forward (memoised on ``docs``)."""
+
+    def build():
+        s, b = docs.segments.shape
+        qw, kw = (-(-n // doc_flex.BLOCK) * doc_flex.BLOCK for n in (s, prefix + s))
+        qseg = docs.segments.new_full((b, qw), -1)
+        qseg[:, :s] = docs.segments.t()
+        kseg = docs.segments.new_full((b, kw), -2)  # never a query's: the prefix is ruled by ``tail``
+        kseg[:, prefix : prefix + s] = docs.segments.t()
+        tail = torch.arange(qw, device=docs.segments.device) < head  # on the device: no host read
+        fn = _fns(device.type == "cuda")[1]
+        return fn(_rule(prefix, tail, qseg, kseg), s, prefix + s, device)
+
+    return docs.derived(("tail_flex_mask", head, prefix, device.type), build)
+
+
+def _keys(pre, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """prefix ++ own keys and values [b, nkv, P + C, d] (new tensors: the prefix's store is not written)."""
+    if pre is None:
+        return k.contiguous(), v.contiguous()
+    return torch.cat([pre[0], k], 2), torch.cat([pre[1], v], 2)
+
+
+def _under_grad(q, k, v, pre, mask, scale: float):
+    """(out, lse, leaves): flex under autograd on detached leaves (q, prefix ++ k, prefix ++ v)."""
+    kc, vc = _keys(pre, k.detach(), v.detach())
+    leaves = (q.detach().requires_grad_(), kc.requires_grad_(), vc.requires_grad_())
+    with torch.enable_grad():
+        out, lse = doc_flex._flex(*leaves, mask, scale, _fns(q.is_cuda)[0])
+    return out, lse, leaves
+
+
+def forward(q, k, v, pre, docs: DocSpans, head: int, scale: float, keep: bool):
+    """(out [b, h, C, d], lse [b, h, C] natural log, k_out, v_out [b, nkv, C, d], graph): attention of the chunk's
+    rows ``q`` over ``pre`` (the prefix's (k, v) or None) ++ its own ``k``, ``v``. ``keep``: run under autograd on
+    detached leaves and return (leaves, output) as ``graph`` for ``backward`` (else None); k_out/v_out then are views
+    of the concatenated leaves (no second copy of the chunk's keys/values), else contiguous copies."""
+    prefix = 0 if pre is None else pre[0].shape[2]
+    mask = block_mask(docs, head, prefix, q.device)
+    if not keep:
+        kc, vc = _keys(pre, k.detach(), v.detach())
+        out, lse = doc_flex._flex(q.detach(), kc, vc, mask, scale, _fns(q.is_cuda)[0])
+        return out, lse, k.contiguous(), v.contiguous(), None
+    out, lse, leaves = _under_grad(q, k, v, pre, mask, scale)
+    k_out, v_out = (t.detach()[:, :, prefix:] for t in leaves[1:])
+    return out.detach(), lse.detach(), k_out, v_out, (leaves, out)
+
+
+def backward(go, graph, q, k, v, pre, docs: DocSpans, head: int, scale: float):
+    """(dq, dk, dv, dk_prefix, dv_prefix) of the dense backward (the prefix's None without a prefix): through
+    ``graph`` (the forward's), or by running flex again under autograd on the saved q, k, v and ``pre``."""
+    prefix = 0 if pre is None else pre[0].shape[2]
+    if graph is None:
+        out, _, leaves = _under_grad(q, k, v, pre, block_mask(docs, head, prefix, q.device), scale)
+        graph = (leaves, out)
+    dq, dkc, dvc = torch.autograd.grad(graph[1], graph[0], go)
+    if pre is None:
+        return dq, dkc, dvc, None, None
+    return dq, dkc[:, :, prefix:], dvc[:, :, prefix:], dkc[:, :, :prefix], dvc[:, :, :prefix]
