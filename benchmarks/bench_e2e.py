@@ -15,7 +15,8 @@ merge and ratios, the table and the plot); the anchors themselves live in mcore_
 Layouts (``LAYOUTS``): ``1gpu_tinyllama`` (22 layers), ``2gpu_8b_tp2sp`` and ``4gpu_8b_tp2pp2sp`` (Llama-3-8B-shaped
 layers, 8 of them), ``4gpu_tinyllama_tp2pp2sp``, ``1gpu_8b4l`` (4 Llama-3-8B-shaped layers with the 8B vocabulary
 on one GPU, where no multi-GPU machine is lent), and the pipeline halves of the 4-GPU layouts on two GPUs,
-``2gpu_8b_pp2`` and ``2gpu_tinyllama_pp2`` (PP=2, no TP). Issue 33's real workload, the whole Llama-3-8B (32
+``2gpu_8b_pp2`` and ``2gpu_tinyllama_pp2`` (PP=2, no TP), and ``2gpu_8b_dp2`` (DP=2 with the distributed optimizer: its
+fused AdamW and 2:4 pieces where no 4-GPU machine is lent). Issue 33's real workload, the whole Llama-3-8B (32
 layers, seq 4096, global batch 32) on 4 GPUs: ``4gpu_8b32l`` (TP=2 × PP=2 + SP) and the same model as
 ``4gpu_8b32l_tp2sp_dp2``, ``4gpu_8b32l_pp2_dp2``, ``4gpu_8b32l_pp2v2_dp2`` (interleaved, 2 model chunks per rank,
 selective recompute, 14/18 layers: for micro-batch 2) and ``4gpu_8b32l_dp4`` (distributed optimizer), each its own
