@@ -9,8 +9,9 @@ Each mode's trainer warms up, times ``--steps`` steps (median, slowest rank), th
 ``torch.profiler`` (CPU and CUDA) and reports the kernel time, the launch calls and the ops with the most own
 host time. Same layouts and modes as ``bench_e2e.py``. Writes ``profile_<layout>.json`` (``device``, ``cases``:
 mode, micro_batch_size, step_ms, gpu_kernel_ms (kernels only, no copies or fills), launches (host launch calls; a
-graph replay is one), host_self_cpu_ms, top_host_ops, top_kernels) and prints the table last (``--tables N``: the
-profiler's own tables too).
+graph replay is one), host_self_cpu_ms, top_host_ops, top_kernels, and on CUDA ``timeline``: the profiled step's
+GPU time split into compute, communication with no compute beside it, and idle, with the longest compute gaps) and
+prints the table last (``--tables N``: the profiler's own tables too).
 Profiled host times run 1.3–2× slower than unprofiled ones: compare them between modes, not with ``step_ms``.
 """
 
@@ -21,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -38,6 +40,67 @@ from megasparse.train import Trainer  # noqa: E402
 
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
 """Launch calls on the host; a replayed CUDA graph is one (``train.cuda_graphs``, on by default)."""
+_TIMELINE = ("compute_busy_ms", "exposed_comm_ms", "idle_ms")
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _minus(spans: list[tuple[float, float]], cut: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of the (merged) ``spans`` that no span of the (merged) ``cut`` covers."""
+    out, j = [], 0
+    for a, b in spans:
+        while j < len(cut) and cut[j][1] <= a:
+            j += 1
+        k, start = j, a
+        while k < len(cut) and cut[k][0] < b:
+            if cut[k][0] > start:
+                out.append((start, cut[k][0]))
+            start = max(start, cut[k][1])
+            k += 1
+        if start < b:
+            out.append((start, b))
+    return out
+
+
+def timeline(trace: dict, gaps: int = 5) -> dict:
+    """Where a step's wall time goes on the GPU, from a chrome trace of it: the span from its first kernel to its
+    last, the time some compute kernel runs (any stream, overlaps merged), the communication that runs with no
+    compute beside it (``exposed_comm_ms``: NCCL kernels, waiting included), the time the GPU runs nothing, and the
+    longest idle gaps of the compute streams with the kernels around them. Why: two modes with the same kernel time
+    can differ in step time only here (an eager step that waits on its host, or on a collective)."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
+    if not kernels:
+        return {}
+    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if e["name"].startswith("nccl")]
+    comp = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in kernels if not e["name"].startswith("nccl"))
+    busy, comm = _union([(a, b) for a, b, _ in comp]), _union(nccl)
+    t0, t1 = min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels)
+    holes, end = [], None
+    for a, b, name in comp:
+        if end is not None and a > end[0]:
+            holes.append((a - end[0], end[1], name))
+        if end is None or b > end[0]:
+            end = (b, name)
+    holes.sort(reverse=True)
+    return {
+        "span_ms": (t1 - t0) / 1e3,
+        "compute_busy_ms": _length(busy) / 1e3,
+        "exposed_comm_ms": _length(_minus(comm, busy)) / 1e3,
+        "idle_ms": (t1 - t0 - _length(_union([(a, b) for a, b, _ in comp] + nccl))) / 1e3,
+        "compute_gaps": [{"ms": d / 1e3, "after": x[:60], "before": y[:60]} for d, x, y in holes[:gaps]],
+    }
 
 
 def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -> dict:
@@ -55,6 +118,11 @@ def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -
         bt._sync(tr.device)
         tr.train_step()
         bt._sync(tr.device)
+    span = {}
+    if tr.device.type == "cuda":
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            span = timeline(json.loads(Path(f"{tmp}/trace.json").read_text()))
     ka = prof.key_averages()
     cuda = torch.autograd.DeviceType.CUDA
     kernels = [e for e in ka if e.device_type == cuda and not e.key.startswith(("Memcpy", "Memset"))]
@@ -76,6 +144,7 @@ def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -
         "top_host_ops": [
             {"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops[:top]
         ],
+        "timeline": span,
         "top_kernels": [
             {"name": e.key, "gpu_ms": e.self_device_time_total / 1e3, "calls": e.count} for e in kernels[:top]
         ],
@@ -83,17 +152,26 @@ def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -
 
 
 def format_table(report: dict) -> str:
-    head = f"{'mode':<14} {'mb':>3} {'step ms':>9} {'GPU ms':>8} {'launches':>9} {'host ms*':>9}  top host op (own ms)"
+    head = (
+        f"{'mode':<16} {'mb':>3} {'step ms':>9} {'GPU ms':>8} {'busy ms':>8} {'comm ms':>8} {'idle ms':>8} "
+        f"{'launches':>9} {'host ms*':>9}  top host op (own ms)"
+    )
     lines = [f"profile | {report['device']} | {report['layout']}: {report['shape']}", head, "-" * len(head)]
     for c in report["cases"]:
         if "error" in c:
-            lines.append(f"{c['mode']:<14} {c['micro_batch_size']:>3}  {c['error'][:60]}")
+            lines.append(f"{c['mode']:<16} {c['micro_batch_size']:>3}  {c['error'][:60]}")
             continue
         op = c["top_host_ops"][0] if c["top_host_ops"] else {"name": "-", "self_cpu_ms": 0.0}
+        tl = c.get("timeline") or {}
+        busy, comm, idle = (f"{tl[k]:8.1f}" if k in tl else f"{'-':>8}" for k in _TIMELINE)
         lines.append(
-            f"{c['mode']:<14} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {c['gpu_kernel_ms']:8.1f} "
-            f"{c['launches']:9d} {c['host_self_cpu_ms']:9.1f}  {op['name'][:40]} ({op['self_cpu_ms']:.1f})"
+            f"{c['mode']:<16} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {c['gpu_kernel_ms']:8.1f} {busy} {comm} "
+            f"{idle} {c['launches']:9d} {c['host_self_cpu_ms']:9.1f}  {op['name'][:40]} ({op['self_cpu_ms']:.1f})"
         )
+    lines.append(
+        "busy: some compute kernel runs; comm: NCCL runs with no compute beside it (waits included); idle: the GPU "
+        "runs nothing (CUDA, profiled step)"
+    )
     lines.append("*host ms: own CPU time of every op in the profiled step (profiling slows the host 1.3-2x)")
     return "\n".join(lines)
 

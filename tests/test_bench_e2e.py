@@ -138,6 +138,29 @@ def test_profile_step_reports_each_mode(tmp_path) -> None:
     assert r["report"]["table"].splitlines()[-1].startswith("*host ms")
 
 
+def test_profile_timeline_splits_a_step_into_compute_exposed_comm_and_idle() -> None:
+    """From a chrome trace: compute on two streams merged, NCCL counted only where no compute runs beside it, the
+    GPU's idle time, and the longest compute gap named by the kernels around it."""
+    import profile_step as ps
+
+    def k(name: str, ts: float, dur: float, stream: int = 7) -> dict:
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    trace = {"traceEvents": [
+        k("gemm_a", 0, 100), k("gemm_b", 50, 100, stream=9),  # compute 0-150 on two streams
+        k("ncclDevKernel_ReduceScatter", 120, 80, stream=20),  # 150-200 of it exposed
+        k("gemm_c", 260, 40),  # GPU idle 200-260; compute gap 150-260 after gemm_b
+        k("gemm_d", 310, 10),  # a shorter gap, 300-310
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 999},  # host events do not count
+    ]}  # fmt: skip
+    t = ps.timeline(trace, gaps=2)
+    assert t["span_ms"] == pytest.approx(0.32) and t["compute_busy_ms"] == pytest.approx(0.2)
+    assert t["exposed_comm_ms"] == pytest.approx(0.05) and t["idle_ms"] == pytest.approx(0.07)
+    assert [(g["after"], g["before"]) for g in t["compute_gaps"]] == [("gemm_b", "gemm_c"), ("gemm_c", "gemm_d")]
+    assert t["compute_gaps"][0]["ms"] == pytest.approx(0.11)
+    assert ps.timeline({"traceEvents": []}) == {}
+
+
 def test_warmup_covers_the_2to4_autotune() -> None:
     """Timed steps start after 2:4's GEMM autotune (backend=auto), and only then."""
     import bench_trainer as bt

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -300,6 +301,41 @@ def state_bytes(overrides: list[str]) -> int:
     from megasparse.train import Trainer
 
     return Trainer(load_config(None, BASE + overrides)).dp_opt.state_bytes()
+
+
+def gather_and_use_order() -> tuple[list[int], list[int]]:
+    from megasparse.config import load_config
+    from megasparse.parallel import dist_optim
+    from megasparse.train import Trainer
+
+    tr = Trainer(load_config(None, BASE + SHARDED))
+    opt = tr.dp_opt.optimizer
+    index = {b.data.data_ptr(): k for k, b in enumerate(opt.buckets.buckets)}
+    gathered, used = [], []
+    real_gather, real_wait = dist_optim.comm.all_gather_into, opt.wait_params
+
+    def gather(out, chunk, *a, **k):
+        gathered.append(index[out.data_ptr()])
+        return real_gather(out, chunk, *a, **k)
+
+    def wait(which=None):
+        used.extend(k for k in (which or []) if k not in used)
+        return real_wait(which)
+
+    tr.train_step()
+    with mock.patch.object(dist_optim.comm, "all_gather_into", gather), mock.patch.object(opt, "wait_params", wait):
+        tr.train_step()  # its step gathers; the next forward (evaluate's) waits bucket by bucket
+        tr.evaluate()
+    return gathered, used
+
+
+def test_sharded_step_gathers_buckets_in_the_order_the_forward_uses_them():
+    """The parameter all-gathers run one after another, so the bucket the next forward needs first must go first:
+    in the backward's bucket order the forward's first block waited for every gather."""
+    gathered, used = run_distributed(gather_and_use_order, 2)[0]  # dp 2: the gathers are lazy only there
+    assert len(gathered) > 2 and sorted(gathered) == list(range(len(gathered)))
+    assert used == gathered  # every bucket gathered in the order the forward first waits for it
+    assert gathered[:2] == [0, len(gathered) - 1]  # the root's own (the output layer), then the embedding's
 
 
 @pytest.mark.slow

@@ -4,10 +4,10 @@
 that chunk only, the fp32 master weights and AdamW's two moments, so their memory divides by dp. It steps its
 chunk with ``torch.optim.AdamW`` itself (fused on CUDA as the replicated optimizer is, decision 1238; on views: one
 per parameter piece inside the chunk, in the plain optimizer's decay groups, so the arithmetic is the replicated
-optimizer's, element for element), then all-gathers
-the updated parameters into the bucket's parameter storage (bf16 compute copies on GPU, the fp32 weights
-themselves on CPU) asynchronously; the next forward waits for a bucket in the pre-hook of the first module that
-uses it. The gradient norm sums squares of the owned chunks over the whole world, which equals the replicated
+optimizer's, element for element), then all-gathers the updated parameters into the bucket's parameter storage
+(bf16 compute copies on GPU, the fp32 weights themselves on CPU) asynchronously, in the order the next forward
+uses them (``gather_order``, decision 1240); that forward waits for a bucket in the pre-hook of the first module
+that uses it. The gradient norm sums squares of the owned chunks over the whole world, which equals the replicated
 norm (TP shards counted once each, TP-replicated parameters on TP rank 0 only).
 
 Checkpoints: ``state_dict`` gathers the chunks over DP into exactly the structure ``torch.optim.AdamW`` has
@@ -132,6 +132,8 @@ class DistributedAdamW:
         self.steps = 0
         buckets.zero(1)
         self._hooks: list = []
+        self._order: list[int] = []
+        """The buckets in the order the next forward waits for them (``wait_before_use``); empty: no pre-hooks."""
 
     # -- what the trainer reads and sets -----------------------------------------------------------------------------
     @property
@@ -189,7 +191,8 @@ class DistributedAdamW:
             torch._foreach_add_([self.inner.state[v]["step"] for v in taken], 1.0)
         self.steps += 1
         b_all = self.buckets
-        for k, b in enumerate(b_all.buckets):
+        for k in self.gather_order():
+            b = b_all.buckets[k]
             lo, hi = b.shard(b_all.rank, b_all.dp)
             if b.data.dtype != torch.float32:
                 b.data[lo:hi].copy_(self.masters[k])
@@ -200,6 +203,14 @@ class DistributedAdamW:
         comm.defer(self.wait_params)
         if not self.lazy:
             self.wait_params()
+
+    def gather_order(self) -> list[int]:
+        """Buckets in the order the next forward waits for them (``wait_before_use``'s pre-hooks: the root module's
+        own parameters, then the embedding, the blocks, ...), else the reverse of the backward's order. The
+        collectives run one after another on one stream, so gathering in the backward's order (the output layer
+        first, the embedding last) made the forward's first block wait for every bucket; in this order each module
+        waits for its own, and the later buckets arrive while the earlier layers compute."""
+        return self._order or list(reversed(range(len(self.buckets.buckets))))
 
     def wait_params(self, which: list[int] | None = None) -> None:
         """Wait for the gathered parameters of buckets ``which`` (all by default)."""
@@ -218,10 +229,14 @@ class DistributedAdamW:
         """Forward pre-hooks: a module waits for the buckets of the parameters it owns, so the all-gather of later
         layers overlaps the forward of earlier ones."""
         where = {id(p): b.index for b in self.buckets.buckets for p in b.params}
-        for mod in model.modules():
-            mine = sorted({where[id(p)] for p in mod.parameters(recurse=False) if id(p) in where})
+        order: list[int] = []
+        for mod in model.modules():  # the root first, then in registration order, which follows the forward
+            mine = sorted({where[id(p)] for p in mod.parameters(recurse=False) if id(p) in where}, reverse=True)
             if mine:
                 self._hooks.append(mod.register_forward_pre_hook(lambda *_, k=mine: self.wait_params(k)))
+                order += [k for k in mine if k not in order]
+        rest = [k for k in reversed(range(len(self.buckets.buckets))) if k not in order]
+        self._order = order + rest
 
     # -- gradients: norm and clipping over the owned chunks ------------------------------------------------------------
     def grad_norm(self, counted: Callable[[nn.Parameter], bool], device: torch.device) -> float:
