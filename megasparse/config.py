@@ -62,7 +62,8 @@ class TrainConfig:
     """The weight gradient's GEMM in fp8 too (e5m2 gradient × e4m3 input), as torchao's float8 does; false keeps it
     in bf16, straight into the fp32 bucket. On four H200s fp8 took 4% off the whole Llama-3-8B's fp8 step at PP 2 ×
     DP 2 and 5% off TP 2 + SP at mb 2, and the 300-step accuracy study stayed within 1% of bf16 (decision 1234). It
-    costs memory (62.5 → 70.2 GiB peak on that 8B's PP 2 × DP 2 ranks): false where that does not fit."""
+    may cost memory (fp8's peak on that 8B's PP 2 × DP 2 ranks read 62.5 GiB with bf16, 70.2 with fp8; collider + fp8
+    70 either way): false where a run no longer fits."""
     fp8_min_mnk: float = 4.0e10
     """On CUDA a linear runs fp8 only when rows · out · in of its smallest GEMM (the backward's kept rows under
     collider) reaches this: below it the casts cost more than the fp8 GEMM saves (H100 measurements, decision
