@@ -490,7 +490,8 @@ def format_table(report: dict) -> str:
         )
     lines.append(
         f"vs mcore, vs tt-bf16, vs tt-fp8: step time / megatron-core's ({ANCHOR}), torchtitan's bf16, its float8 step "
-        "at the same micro-batch (< 1: faster)"
+        "at the same micro-batch (< 1: faster); MFU: the dense model's FLOPs per token at this rate, so modes that "
+        "skip work (filtering, 2:4) can read above 100%"
     )
     lines += report.get("loss_auto", [])
     return "\n".join(lines)
