@@ -63,6 +63,68 @@ def _check() -> None:
     _, _, s = quantize_triton(x, E4M3, "row")
     assert s[4].isnan() and s[torch.arange(9) != 4].isfinite().all()
     _check_masked(quantize_triton)
+    _check_x_amax_reuse(quantize_triton)
+
+
+def _layers_with_reused_amax() -> dict:
+    """Column and row layers with tensorwise fp8 and the fp8 weight gradient, forward + backward twice: with the
+    forward's input amax handed to the weight gradient's cast, and with the hand-over cut. Per layer: (weight
+    gradient, input gradient, amax passes in the backward) for each."""
+    import megasparse.fp8.cast as cast
+    import megasparse.fp8.gemm as gemm_mod
+    from megasparse.parallel import state
+    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    state.init(1, 1, False, "gloo")
+    calls = [0]
+    real = cast.amax_triton
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    cast.amax_triton = gemm_mod.amax_triton = counted
+    out = {}
+    try:
+        for cls, (i, o) in ((ColumnParallelLinear, (24, [40])), (RowParallelLinear, (40, 24))):
+            runs = []
+            for reuse in (True, False):
+                lin = cls(i, o, name="lin", init_std=0.2, seed=5, device="cpu", pg=state.groups())
+                lin.gemm = Fp8Gemm(lin.weight, "tensorwise", wgrad_fp8=True)
+                if not reuse:
+                    lin.gemm.take_x_amax = lambda: None
+                x = (torch.randn(13, 3, i, generator=torch.Generator().manual_seed(1)) * 7).requires_grad_()
+                y = lin(x)
+                calls[0] = 0
+                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(3)))
+                runs.append((lin.weight.grad, x.grad, calls[0]))
+            out[cls.__name__] = runs
+    finally:
+        cast.amax_triton = gemm_mod.amax_triton = real
+    return out
+
+
+def _check_x_amax_reuse(quantize_triton) -> None:
+    """A forward's input amax handed to the weight gradient's cast of the same input: the same bits as a cast that
+    computes it, and the backward runs one amax pass (the gradient's) instead of two (decision 1242)."""
+    from distributed import run_distributed
+
+    from megasparse.fp8.cast import amax_triton
+
+    x = torch.randn(37, 24, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16) * 50
+    for fmt in (E4M3, E5M2):
+        a = quantize_triton(x, fmt, "tensor", transpose=True, pad_to=48)
+        b = quantize_triton(x, fmt, "tensor", transpose=True, pad_to=48, amax=amax_triton(x))
+        assert torch.equal(_bits(a[0]), _bits(b[0])) and torch.equal(_bits(a[1]), _bits(b[1]))
+        assert torch.equal(a[2], b[2])
+    try:
+        quantize_triton(x, E4M3, "row", amax=amax_triton(x))
+        raise AssertionError("a tensor amax accepted for row scales")
+    except ValueError:
+        pass
+    for name, (reused, cut) in run_distributed(_layers_with_reused_amax, 1)[0].items():
+        assert torch.equal(reused[0], cut[0]) and torch.equal(reused[1], cut[1]), name
+        assert reused[0].abs().sum() > 0 and (reused[2], cut[2]) == (1, 2), (name, reused[2], cut[2])
 
 
 def _masked_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:

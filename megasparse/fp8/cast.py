@@ -22,6 +22,7 @@ directly (decision 1235).
 
 Two launches per cast (an amax kernel with atomic maxima, then the cast kernel that computes the scale from it,
 writes the fp8 values, optionally their transpose, and the inverse scales), plus the zeroing of the amax buffer.
+One launch where the caller hands in an amax it computed before for the same tensor (``amax_triton``).
 """
 
 from __future__ import annotations
@@ -207,6 +208,32 @@ def use_triton(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _interpreting())
 
 
+def _mask_bytes(x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(mask as bytes, its row stride), or (x, 0) without one: the kernels' mask operand."""
+    if mask is None:
+        return x, 0
+    if mask.dtype != torch.bool or mask.shape != x.shape:
+        raise ValueError(f"quantize: the mask must be bool {list(x.shape)}, not {mask.dtype} {list(mask.shape)}")
+    mask = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # one byte per element
+    return mask, mask.stride(0)
+
+
+def amax_triton(x: torch.Tensor, axis: Axis = "tensor", mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 amax buffer ``quantize_triton`` computes its scale from (NaN counted as inf), for a caller that
+    casts the same ``x`` again later: a forward's input, cast once more, transposed, for its weight gradient, hands
+    this to that cast as ``amax`` and skips the second read (``gemm.py``)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, sm = _mask_bytes(x, mask)
+    r, c = x.shape
+    amax = torch.zeros(1 if axis == "tensor" else (r if axis == "row" else c), dtype=torch.float32, device=x.device)
+    if r and c:
+        _amax_kernel[(triton.cdiv(r, 64), triton.cdiv(c, 64))](
+            x, m, amax, r, c, x.stride(0), sm, _AXIS_ID[axis], mask is not None, 64, 64
+        )
+    return amax
+
+
 def quantize_triton(
     x: torch.Tensor,
     fmt: torch.dtype,
@@ -216,36 +243,34 @@ def quantize_triton(
     transpose: bool = False,
     pad_to: int | None = None,
     mask: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """(q [R, C] or None, qᵀ [C, pad_to or R] or None, inverse scale) of the 2-D ``x`` (times the bool ``mask``
     where given): the values ``quantize_reference`` gives, from two kernels. ``write_q`` and ``transpose`` may both
-    be set (a weight's two operand layouts from one read)."""
+    be set (a weight's two operand layouts from one read). ``amax``: ``amax_triton`` of this same ``x``, mask and
+    axis, computed before; the amax kernel is then skipped (one kernel, one read of ``x``)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if mask is not None and (mask.dtype != torch.bool or mask.shape != x.shape):
-        raise ValueError(f"quantize: the mask must be bool {list(x.shape)}, not {mask.dtype} {list(mask.shape)}")
+    _mask_bytes(x, mask)  # the check, before any kernel
     if transpose and x.dtype == torch.float32 and x.is_cuda:
         # triton 3.6 on sm_90 wrote every fourth row of the transposed fp8 block wrong from an fp32 input (bf16
         # inputs are exact; tests/test_gpu_fp8.py): fp32 inputs (weights, once per optimizer step) transpose in torch
-        q, _, sinv = quantize_triton(x, fmt, axis, mask=mask)
+        q, _, sinv = quantize_triton(x, fmt, axis, mask=mask, amax=amax)
         qt = torch.zeros(x.shape[1], x.shape[0] if pad_to is None else pad_to, dtype=fmt, device=x.device)
         qt[:, : x.shape[0]] = q.t()
         return (q if write_q else None), qt, sinv
     r, c = x.shape
     ldt = r if pad_to is None else pad_to
     n_scales = 1 if axis == "tensor" else (r if axis == "row" else c)
-    amax = torch.zeros(n_scales, dtype=torch.float32, device=x.device)
+    if amax is None:
+        amax = amax_triton(x, axis, mask)
+    elif amax.shape != (n_scales,) or amax.dtype != torch.float32:
+        raise ValueError(f"quantize: a given amax must be float32 [{n_scales}], not {amax.dtype} {list(amax.shape)}")
     sinv = torch.empty(n_scales, dtype=torch.float32, device=x.device)
     q = torch.empty(r, c, dtype=fmt, device=x.device) if write_q else None
     qt = torch.empty(c, ldt, dtype=fmt, device=x.device) if transpose else None
     br, bc = 64, 64
-    if mask is not None:  # read as bytes: one per element, like the 2:4 kernels read masks
-        mask = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)
-    m, sm = (x, 0) if mask is None else (mask, mask.stride(0))
-    if r and c:
-        _amax_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
-            x, m, amax, r, c, x.stride(0), sm, _AXIS_ID[axis], mask is not None, br, bc
-        )
+    m, sm = _mask_bytes(x, mask)
     rows = max(r, ldt) if transpose else r
     if rows and c:
         _cast_kernel[(triton.cdiv(rows, br), triton.cdiv(c, bc))](

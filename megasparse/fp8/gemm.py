@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from megasparse.fp8.cast import E4M3, E5M2, Axis, dequantize, quantize, quantize_triton, use_triton
+from megasparse.fp8.cast import E4M3, E5M2, Axis, amax_triton, dequantize, quantize, quantize_triton, use_triton
 from megasparse.ops.wgrad import accumulate_mm
 
 Recipe = Literal["tensorwise", "rowwise"]
@@ -75,6 +75,7 @@ class Fp8Gemm:
         self.sw = self.swt = None  # their inverse scales (per row of each under rowwise)
         self.version: int | None = None
         self._g_t: tuple | None = None  # (g, gᵀ e5m2, scale): dgrad's cast handed to the wgrad that follows it
+        self._x_amax: torch.Tensor | None = None  # the last fwd's input amax, until the layer takes it
 
     # -- the weight's fp8 copies, once per optimizer step ------------------------------------------
     def refresh(self) -> None:
@@ -106,8 +107,21 @@ class Fp8Gemm:
 
     # -- the three GEMMs ---------------------------------------------------------------------------
     def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        q, s = quantize(x2d, E4M3, self.axis)
+        self._x_amax = None
+        if self.recipe == "tensorwise" and self.wgrad_fp8 and use_triton(x2d):
+            # the weight gradient casts this same x again (transposed, same single scale): its amax is kept for
+            # that cast, which then skips its read of x (``take_x_amax``; the layer holds it until its backward)
+            self._x_amax = amax_triton(x2d, "tensor")
+            q, _, s = quantize_triton(x2d, E4M3, "tensor", amax=self._x_amax)
+        else:
+            q, s = quantize(x2d, E4M3, self.axis)
         return scaled_mm(q, s, self.w8, self.sw, (self.axis, self.axis), x2d.dtype)
+
+    def take_x_amax(self) -> torch.Tensor | None:
+        """The amax of the input of the ``fwd`` just run (tensorwise, fp8 weight gradient, Triton casts; else None),
+        handed over once: the layer keeps it for ``wgrad_into(..., x_amax=)`` on that same input."""
+        a, self._x_amax = self._x_amax, None
+        return a
 
     def dgrad(self, g2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.recipe == "tensorwise" and self.wgrad_fp8 and use_triton(g2d):
@@ -119,9 +133,12 @@ class Fp8Gemm:
             q, s = quantize(g2d, E5M2, self.axis)
         return scaled_mm(q, s, self.w8t, self.swt, (self.axis, self.axis), g2d.dtype)
 
-    def _wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def _wgrad(
+        self, g2d: torch.Tensor, x2d: torch.Tensor, out_dtype: torch.dtype, x_amax: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """dW = gᵀ·x in fp8 over the tokens: both operands quantised per feature (rowwise) into their transposes,
-        the token dimension zero-padded to a multiple of 16 on CUDA."""
+        the token dimension zero-padded to a multiple of 16 on CUDA. ``x_amax``: ``take_x_amax`` of the forward
+        whose input ``x2d`` is, whole (never a compact backward's kept rows: their amax may be smaller)."""
         ax: Axis = "col" if self.recipe == "rowwise" else "tensor"
         pad = _pad16(g2d.shape[0]) if g2d.is_cuda or use_triton(g2d) else None
         stash, self._g_t = self._g_t, None
@@ -129,22 +146,27 @@ class Fp8Gemm:
             gt, sg = stash[1], stash[2]
         else:
             gt, sg = quantize(g2d, E5M2, ax, transpose=True, pad_to=pad)
-        xt, sx = quantize(x2d, E4M3, ax, transpose=True, pad_to=pad)
+        if x_amax is not None and ax == "tensor" and use_triton(x2d):
+            _, xt, sx = quantize_triton(x2d, E4M3, "tensor", write_q=False, transpose=True, pad_to=pad, amax=x_amax)
+        else:
+            xt, sx = quantize(x2d, E4M3, ax, transpose=True, pad_to=pad)
         back: Axis = "row" if ax == "col" else "tensor"  # a column of g is a row of gᵀ
         return scaled_mm(gt, sg, xt, sx, (back, back), out_dtype)
 
-    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
         if not self.wgrad_fp8:
             return g2d.t() @ x2d
-        return self._wgrad(g2d, x2d, self._wide(g2d))
+        return self._wgrad(g2d, x2d, self._wide(g2d), x_amax)
 
-    def wgrad_into(self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor) -> bool:
+    def wgrad_into(
+        self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor, x_amax: torch.Tensor | None = None
+    ) -> bool:
         """out += dW: the fp8 product (fp32 where the GEMM gives it), then one add into the fp32 bucket slice;
         ``torch._scaled_mm`` cannot accumulate into its output, unlike the bf16 ``accumulate_mm``."""
         if not self.wgrad_fp8:
             accumulate_mm(out, g2d.t(), x2d)
             return True
-        out.add_(self._wgrad(g2d, x2d, self._wide(g2d)))
+        out.add_(self._wgrad(g2d, x2d, self._wide(g2d), x_amax))
         return True
 
     def _wide(self, g2d: torch.Tensor) -> torch.dtype:

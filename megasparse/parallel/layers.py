@@ -32,11 +32,19 @@ class DenseGemm:
     def dgrad(self, g2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return g2d @ w
 
-    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    def take_x_amax(self) -> None:
+        """What the last ``fwd`` keeps for the weight gradient's cast of the same input: nothing here (fp8 keeps
+        its input's amax, ``fp8/gemm.py``)."""
+        return None
+
+    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
         return g2d.t() @ x2d
 
-    def wgrad_into(self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor) -> bool:
-        """out += g2dᵀ·x2d in ``out``'s dtype (fp32); False: this gemm cannot, use ``wgrad``."""
+    def wgrad_into(
+        self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor, x_amax: torch.Tensor | None = None
+    ) -> bool:
+        """out += g2dᵀ·x2d in ``out``'s dtype (fp32); False: this gemm cannot, use ``wgrad``. ``x_amax``: what
+        ``take_x_amax`` gave after the forward whose whole input ``x2d`` is (None for a compact backward's rows)."""
         accumulate_mm(out, g2d.t(), x2d)
         return True
 
@@ -44,14 +52,16 @@ class DenseGemm:
 DENSE = DenseGemm()
 
 
-def weight_grad(weight: torch.Tensor, gemm, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor | None:
+def weight_grad(
+    weight: torch.Tensor, gemm, g2d: torch.Tensor, x2d: torch.Tensor, x_amax: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """A linear layer's weight gradient, added straight into its fp32 bucket slice when it has one (``ops/wgrad.py``,
     decision 0009; None goes back to autograd). Otherwise (no buckets, ``.grad`` detached from the bucket, a gemm
     that cannot) the gradient is returned for autograd to accumulate."""
     main = grad_buffer(weight)
-    if main is not None and gemm.wgrad_into(g2d, x2d, main):
+    if main is not None and gemm.wgrad_into(g2d, x2d, main, x_amax):
         return None
-    return gemm.wgrad(g2d, x2d).to(weight.dtype)
+    return gemm.wgrad(g2d, x2d, x_amax).to(weight.dtype)
 
 
 class ComputeCopy:
@@ -130,6 +140,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         y = gemm.fwd(_flat(total), w).view(*total.shape[:-1], w.shape[0])
         ctx.save_for_backward(total, w)
         ctx.cfg = (sp, gemm, name, x.shape, weight, pg)
+        ctx.x_amax = gemm.take_x_amax()  # the whole-input weight gradient's cast reuses it
         return y
 
     @staticmethod
@@ -155,7 +166,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             dx, work = comm.reduce_scatter(dx, group, "tp", region=region, async_op=True)
         else:
             work = comm.all_reduce(dx, group, "tp", region=region, async_op=True)
-        dw = weight_grad(weight, gemm, g2, _flat(total))
+        dw = weight_grad(weight, gemm, g2, _flat(total), ctx.x_amax)
         if work is not None:
             work.wait()
         return dx, dw, None, None, None, None, None, None
@@ -173,6 +184,7 @@ class RowParallelLinearFn(torch.autograd.Function):
             comm.all_reduce(y, group, "tp", region=f"{name}.out")
         ctx.save_for_backward(x, w)
         ctx.cfg = (sp, gemm, name, weight, pg)
+        ctx.x_amax = gemm.take_x_amax()
         return y
 
     @staticmethod
@@ -191,7 +203,7 @@ class RowParallelLinearFn(torch.autograd.Function):
             g = comm.all_gather(g, group, "tp", dim=0, region=f"{name}.sp_gather")
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
-        dw = weight_grad(weight, gemm, g2, _flat(x))
+        dw = weight_grad(weight, gemm, g2, _flat(x), ctx.x_amax)
         return dx, dw, None, None, None, None, None, None
 
 

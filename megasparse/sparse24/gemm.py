@@ -160,18 +160,24 @@ class Sparse24Gemm:
             return g2d @ w
         return sparse24_backward(g2d, None, wt, st, self.mvue, need_input_grad=True, need_weight_grad=False)[0]
 
-    def wgrad_into(self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor) -> bool:
+    def take_x_amax(self) -> torch.Tensor | None:
+        """fp8's kept input amax (``Fp8Gemm.take_x_amax``); nothing without fp8."""
+        return None if self.fp8 is None else self.fp8.take_x_amax()
+
+    def wgrad_into(
+        self, g2d: torch.Tensor, x2d: torch.Tensor, out: torch.Tensor, x_amax: torch.Tensor | None = None
+    ) -> bool:
         """Straight-through: the dense weight gradient, added into ``out``; MVUE's sparse estimate returns instead."""
         if self.fp8 is not None:
-            return self.fp8.wgrad_into(g2d, x2d, out)
+            return self.fp8.wgrad_into(g2d, x2d, out, x_amax)
         if self.mvue and self.manager.state(self.name) is not None:
             return False
         accumulate_mm(out, g2d.t(), x2d)
         return True
 
-    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    def wgrad(self, g2d: torch.Tensor, x2d: torch.Tensor, x_amax: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8 is not None:
-            return self.fp8.wgrad(g2d, x2d)
+            return self.fp8.wgrad(g2d, x2d, x_amax)
         st, wt = self._operands()
         if st is None or not self.mvue:
             return g2d.t() @ x2d  # straight-through: the dense weight gets the dense gradient
