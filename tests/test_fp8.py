@@ -64,6 +64,29 @@ def _check() -> None:
     assert s[4].isnan() and s[torch.arange(9) != 4].isfinite().all()
     _check_masked(quantize_triton)
     _check_x_amax_reuse(quantize_triton)
+    _check_tiles(quantize_triton)
+
+
+def _check_tiles(quantize_triton) -> None:
+    """Other tilings of the kernels (rows ≠ columns, tiles larger than the tensor, other warp counts) give the
+    reference's bits on every axis, transposed and padded: the per-card choice of ``cast.TILES`` cannot change a
+    result."""
+    import megasparse.fp8.cast as cast
+
+    saved = dict(cast.TILES)
+    x = (torch.randn(70, 45, generator=torch.Generator().manual_seed(4)) * 9).to(torch.bfloat16)
+    try:
+        for tile in ((16, 128, 4), (128, 32, 8), (32, 32, 2)):
+            cast.TILES.update(amax=tile, cast=tile, cast_t=tile)
+            for fmt in (E4M3, E5M2):
+                for axis in ("tensor", "row", "col"):
+                    q, qt, s = quantize_triton(x, fmt, axis, transpose=True, pad_to=80)
+                    q_ref, s_ref = quantize_reference(x, fmt, axis)
+                    qt_ref, _ = quantize_reference(x, fmt, axis, transpose=True, pad_to=80)
+                    assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(_bits(qt), _bits(qt_ref)), tile
+                    assert torch.equal(s, s_ref), (tile, fmt, axis)
+    finally:
+        cast.TILES.update(saved)
 
 
 def _layers_with_reused_amax() -> dict:

@@ -46,6 +46,10 @@ EMAX = {E4M3: 8, E5M2: 15}
 _GRID = {E4M3: (3, -6), E5M2: (2, -14)}  # (mantissa bits, smallest normal exponent): the kernel's rounding grid
 _AXIS_ID = {"tensor": 0, "row": 1, "col": 2}
 _TINY = 2.0**-100  # amax floor: an all-zero tensor gets a finite scale (its values stay zero)
+TILES: dict[str, tuple[int, int, int]] = {"amax": (64, 64, 4), "cast": (64, 64, 4), "cast_t": (64, 64, 4)}
+"""(rows, columns, warps) of one program of the amax kernel, the cast, and a cast that writes the transpose. Any
+powers of two give the same bits (the tests sweep some); which is fastest is a GPU question that
+``benchmarks/bench_fp8_cast.py`` answers per card."""
 
 
 def fp8_max(fmt: torch.dtype) -> float:
@@ -227,9 +231,10 @@ def amax_triton(x: torch.Tensor, axis: Axis = "tensor", mask: torch.Tensor | Non
     m, sm = _mask_bytes(x, mask)
     r, c = x.shape
     amax = torch.zeros(1 if axis == "tensor" else (r if axis == "row" else c), dtype=torch.float32, device=x.device)
+    br, bc, warps = TILES["amax"]
     if r and c:
-        _amax_kernel[(triton.cdiv(r, 64), triton.cdiv(c, 64))](
-            x, m, amax, r, c, x.stride(0), sm, _AXIS_ID[axis], mask is not None, 64, 64
+        _amax_kernel[(triton.cdiv(r, br), triton.cdiv(c, bc))](
+            x, m, amax, r, c, x.stride(0), sm, _AXIS_ID[axis], mask is not None, br, bc, num_warps=warps
         )
     return amax
 
@@ -269,13 +274,14 @@ def quantize_triton(
     sinv = torch.empty(n_scales, dtype=torch.float32, device=x.device)
     q = torch.empty(r, c, dtype=fmt, device=x.device) if write_q else None
     qt = torch.empty(c, ldt, dtype=fmt, device=x.device) if transpose else None
-    br, bc = 64, 64
+    br, bc, warps = TILES["cast_t" if transpose else "cast"]
     m, sm = _mask_bytes(x, mask)
     rows = max(r, ldt) if transpose else r
     if rows and c:
         _cast_kernel[(triton.cdiv(rows, br), triton.cdiv(c, bc))](
             x, m, amax, q if q is not None else sinv, qt if qt is not None else sinv, sinv, r, c, x.stride(0), sm,
             ldt, fp8_max(fmt), _AXIS_ID[axis], mask is not None, write_q, transpose, EMAX[fmt], *_GRID[fmt], br, bc,
+            num_warps=warps,
         )  # fmt: skip
     elif axis == "tensor" or n_scales:
         sinv = 1.0 / pow2_scale(amax, fmt)
