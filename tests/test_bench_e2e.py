@@ -381,3 +381,21 @@ def test_titan_builds_the_configs_model() -> None:
     assert jc.model.converters == ["quantize.linear.float8"] and f8.filter_fqns == ["output"] and f8.recipe_name is None
     assert f8.enable_fsdp_float8_all_gather and f8.precompute_float8_dynamic_scale_for_fsdp
     assert (jc.training.local_batch_size, jc.training.global_batch_size, jc.training.seq_len) == (1, 32, 4096)
+
+
+def test_whole_8b_configs_are_the_measured_layouts() -> None:
+    """The user-facing whole-8B configs validate on 4 ranks and are the layouts §0 measured: DP 4 at mb 2 (H200) and
+    PP 2 × DP 2 at mb 1 (80 GB cards), both with the distributed optimizer, as ``bench_e2e``'s layouts set them."""
+    import bench_e2e as be
+
+    from megasparse.config import load_config
+
+    root = Path(be.__file__).parent.parent
+    cases = (("gpu_8b_dp4", "4gpu_8b32l_dp4", 4, 2), ("gpu_8b_pp2_dp2", "4gpu_8b32l_pp2_dp2", 2, 1))
+    for name, layout, dp, mb in cases:
+        cfg = load_config(str(root / "configs" / f"{name}.yaml"), [])
+        assert cfg.validate(world_size=4, devices=False) == dp and cfg.train.micro_batch_size == mb
+        base, world, overrides = be.LAYOUTS[layout]
+        bench = load_config(str(root / base), overrides)
+        assert world == 4 and bench.parallel == cfg.parallel and bench.model == cfg.model, name
+        assert cfg.logging.out_dir == f"runs/{name}"
