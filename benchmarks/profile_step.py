@@ -103,7 +103,7 @@ def timeline(trace: dict, gaps: int = 5) -> dict:
     }
 
 
-def profile_case(cfg, warmup: int, steps: int, top: int = 12, tables: int = 0) -> dict:
+def profile_case(cfg, warmup: int, steps: int, top: int = 40, tables: int = 0) -> dict:
     """Warm up, time ``steps`` steps, profile one more: the case's numbers on this rank (``tables``: also print the
     profiler's tables by GPU and by own host time, that many rows, on rank 0)."""
     tr = Trainer(cfg, init_groups=False)
