@@ -151,3 +151,23 @@ def test_banner_and_step_line_say_what_is_on_and_where_the_run_is(tmp_path):
     assert "128 tokens" in steps[0] and "384 tokens" in steps[2]  # 8 sequences x 16 tokens a step
     assert "2:4 dense" in steps[2]  # dense fine-tuning: the last sixth
     assert "none (--max-tokens" in score and score.splitlines()[-1].split()[0] == "40"
+
+
+def test_banner_names_the_planners_layer_split_when_the_even_one_leaves_the_loss_stage_heavy():
+    """The whole 8B at PP 2: the last stage's 128K-vocabulary loss is worth blocks, so the banner names the planner's
+    [17, 15] (an estimated 5.5% shorter step); a configured split, one stage, or a small vocabulary say nothing."""
+    from pathlib import Path
+
+    import torch
+
+    from megasparse.banner import RunFacts, format_banner
+
+    def banner(overrides: list[str], vocab: int = 128256) -> str:
+        cfg = load_config(str(Path(__file__).parent.parent / "configs" / "gpu_8b_pp2_dp2.yaml"), overrides)
+        facts = RunFacts(4, 2, vocab, vocab, torch.device("cpu"), torch.bfloat16, 16, None, 0.0, True, None)
+        return format_banner(cfg, facts)
+
+    hint = [line for line in banner([]).splitlines() if line.startswith("  pipeline")]
+    assert len(hint) == 1 and "parallel.layer_split=[17, 15]" in hint[0] and "5.5%" in hint[0], hint
+    for quiet in (["parallel.layer_split=[17,15]"], ["parallel.pp=1"], ["model.vocab_size=1024"]):
+        assert "  pipeline" not in banner(quiet, 1024 if "vocab" in quiet[0] else 128256), quiet
