@@ -81,7 +81,7 @@ def _split_hint(cfg: Config, f: RunFacts) -> str | None:
             - planner.estimate(cfg, best, False, f.vocab, f.dp).step_flops
             / planner.estimate(cfg, even, False, f.vocab, f.dp).step_flops
         )
-    except ConfigError:
+    except (ConfigError, ValueError, ZeroDivisionError):  # a hint never stops a run from starting
         return None
     if best == even or gain < SPLIT_HINT_GAIN:
         return None
