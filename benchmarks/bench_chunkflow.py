@@ -85,6 +85,7 @@ from megasparse.data.cache import build_once, local_rank  # noqa: E402
 from megasparse.data.lengths import length_report  # noqa: E402
 from megasparse.data.longtail import LongTailSpec, write_longtail  # noqa: E402
 from megasparse.data.sequences import build_sequence_datasets  # noqa: E402
+from megasparse.ops import tail_flex  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,6 +227,8 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
         times.append(sec)
         real.append(n)
     mem = bt._peak_gib(dev) - leftover
+    if tail is not None:  # what dynamo really compiled for the tails by now (flex call, mask builder): the warm-up's?
+        tail["tail_cache_entries"] = tail_flex.compiled_entries()
     if getattr(keep, "graphs", None) is not None:
         keep.graphs.release()
     del keep, step
@@ -262,6 +265,7 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
         "tail_prefixes": tail.get("tail_prefixes"),
         "tail_variants": tail.get("tail_variants"),
         "tail_compile_s": compile_s if tail else None,
+        "tail_cache_entries": tail.get("tail_cache_entries"),  # CUDA: [flex, mask] entries; = variants if none late
         "losses": r["losses"],
     }
 

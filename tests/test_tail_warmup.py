@@ -113,13 +113,7 @@ def test_steps_after_the_warm_up_compile_no_tail_variant() -> None:
     """CUDA, bf16 on flex: after ``warm_tails`` the steps add no entry to the tail wrappers' dynamo caches."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
     from megasparse.chunkflow import tailwarm
-
-    def entries() -> list[int]:
-        return [len(_debug_get_cache_entry_list(f.__code__)) for f in (tail_flex._tail_flex_attention,
-                                                                        tail_flex._tail_block_mask)]  # fmt: skip
 
     def run() -> tuple[list[int], list[int], dict]:
         torch._dynamo.reset()  # this test counts the wrappers' entries from none
@@ -127,10 +121,10 @@ def test_steps_after_the_warm_up_compile_no_tail_variant() -> None:
             keys.clear()
         tr = _trainer(["train.device=cuda", "train.dtype=bf16", "parallel.backend=nccl"])
         rec = tailwarm.warm_tails(tr.chunkflow, range(STEPS))
-        before = entries()
+        before = tail_flex.compiled_entries()
         for _ in range(STEPS):
             tr.train_step()
-        return before, entries(), rec
+        return before, tail_flex.compiled_entries(), rec
 
     (got,) = run_distributed(run, 1)
     before, after, rec = got

@@ -35,7 +35,17 @@ import torch
 from megasparse.ops import doc_flex
 from megasparse.ops.documents import DocSpans
 
-__all__ = ["REQUESTED", "WARMED", "backward", "block_mask", "chosen", "forward", "free_variants", "variant_keys"]
+__all__ = [
+    "REQUESTED",
+    "WARMED",
+    "backward",
+    "block_mask",
+    "chosen",
+    "compiled_entries",
+    "forward",
+    "free_variants",
+    "variant_keys",
+]
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
@@ -82,6 +92,17 @@ def _limit() -> int:
 def free_variants() -> int:
     """How many more compiled variants fit under dynamo's recompile limit (the warm-up's budget)."""
     return max(0, _limit() - len(_SHAPES))
+
+
+def compiled_entries() -> list[int] | None:
+    """Dynamo's cache entries of the flex call's and the mask builder's wrappers (what was really compiled: the
+    benchmark compares it with the warm-up's count); None where this torch cannot say."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+        return [len(entries(f.__code__)) for f in (_tail_flex_attention, _tail_block_mask)]
+    except Exception:  # noqa: BLE001 - a private helper: a diagnostic only
+        return None
 
 
 def _room(keys: list[tuple]) -> bool:
