@@ -130,11 +130,12 @@ def warm_tails(cf, steps: range, log: Callable[[str], None] = log0) -> dict | No
         return None
     t0 = time.perf_counter()
     prefixes = sorted(tail_prefixes(cf, steps))
-    keys = predicted_keys(cf, prefixes)
-    per = len(keys) // max(len(prefixes), 1)
+    keys = {p: predicted_keys(cf, [p]) for p in prefixes}
+    per = max((len(k) for k in keys.values()), default=0)
+    fresh = [p for p in prefixes if tail_flex.new_keys(keys[p])]  # not compiled yet (an earlier run in the process)
     room = tail_flex.free_variants() // max(per, 1)
-    todo, skipped = (prefixes[:room], prefixes[room:]) if keys else ([], [])
-    rec = {"tail_prefixes": prefixes, "tail_variants": len(todo) * per, "tail_compile_s": 0.0,
+    todo, skipped = (fresh[:room], fresh[room:]) if per else ([], [])
+    rec = {"tail_prefixes": prefixes, "tail_variants": (len(prefixes) - len(skipped)) * per, "tail_compile_s": 0.0,
            "tail_skipped": skipped, "tail_plan_s": time.perf_counter() - t0}  # fmt: skip
     cf.tail_warmup = rec
     if not todo or cf.device.type != "cuda":  # eager flex on CPU: nothing to compile
@@ -151,7 +152,7 @@ def warm_tails(cf, steps: range, log: Callable[[str], None] = log0) -> dict | No
             break
         torch.cuda.synchronize(cf.device)
         log(f"chunkflow: compiling {what}: {i}/{len(todo)}, {time.perf_counter() - t0:.1f} s")
-    tail_flex.WARMED.update(k for k in keys if k in tail_flex._SHAPES)
+    tail_flex.WARMED.update(k for p in prefixes if p not in skipped for k in keys[p])
     if skipped:
         log(f"chunkflow: P={','.join(map(str, skipped))} pass dynamo's recompile limit: those chunks run the bias")
     rec["tail_compile_s"] = time.perf_counter() - t0

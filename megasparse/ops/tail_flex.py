@@ -44,6 +44,7 @@ __all__ = [
     "compiled_entries",
     "forward",
     "free_variants",
+    "new_keys",
     "variant_keys",
 ]
 
@@ -89,6 +90,11 @@ def _limit() -> int:
     return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
 
 
+def new_keys(keys: list[tuple]) -> list[tuple]:
+    """Those of ``keys`` not compiled yet in this process."""
+    return [k for k in keys if k not in _SHAPES]
+
+
 def free_variants() -> int:
     """How many more compiled variants fit under dynamo's recompile limit (the warm-up's budget)."""
     return max(0, _limit() - len(_SHAPES))
@@ -108,7 +114,7 @@ def compiled_entries() -> list[int] | None:
 def _room(keys: list[tuple]) -> bool:
     """Whether every compiled variant ``keys`` names is compiled already or still fits under dynamo's recompile
     limit (then they are counted as compiled). One warning the first time a chunk is refused."""
-    new = [k for k in keys if k not in _SHAPES]
+    new = new_keys(keys)
     if len(_SHAPES) + len(new) > _limit():
         if not _FN.get("warned"):
             _FN["warned"] = True
