@@ -83,6 +83,10 @@ def _run() -> dict:
         out["limited"] = tailwarm.warm_tails(cf, range(STEPS), log=lambda s: None)
     finally:
         tail_flex._limit, tail_flex._SHAPES = limit, shapes
+    lines: list[str] = []  # the GPU's progress, its synthetic chunks run eagerly here
+    warmed = set(tail_flex.WARMED)
+    out["ran"] = tailwarm.warm_tails(cf, range(STEPS), log=lines.append, run=True), lines
+    tail_flex.WARMED.intersection_update(warmed)  # (read on CUDA only: no CPU keys left behind)
     for kernel in ("bias", "auto"):  # the bias kernels (auto: at fp32 / on CPU): nothing to compile
         cf.doc_kernel = kernel
         out["others"][kernel] = tailwarm.predicted_keys(cf, PREFIXES)
@@ -104,6 +108,10 @@ def test_predicted_tail_variants_are_the_ones_the_steps_ask_for() -> None:
     assert r["one"] == r["at32"]  # the warm-up's own chunk asks for exactly the key it stands for
     assert r["others"] == {"bias": [], "auto": []}
     assert r["limited"]["tail_skipped"] == [48] and r["limited"]["tail_variants"] == 4
+    ran, lines = r["ran"]
+    assert ran["tail_variants"] == 6 and ran["tail_compile_s"] > 0 and len(lines) == 4
+    assert lines[0] == "chunkflow: compiling 3 FlexAttention tail variants (P=16,32,48) for steps 0-4: 0/3"
+    assert lines[-1].startswith("chunkflow: compiling 3 FlexAttention tail variants (P=16,32,48): 3/3, ")
 
 
 def test_no_prediction_without_packed_tails() -> None:

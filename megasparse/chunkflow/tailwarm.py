@@ -121,11 +121,12 @@ def _one(cf, attn, dtype, prefix: int) -> None:
     y.backward(torch.zeros_like(y))
 
 
-def warm_tails(cf, steps: range, log: Callable[[str], None] = log0) -> dict | None:
+def warm_tails(cf, steps: range, log: Callable[[str], None] = log0, run: bool | None = None) -> dict | None:
     """Compile, before ``steps`` run, the tail-flex variants this rank's plans need (``cf``: the ``ChunkFlowStep``;
     None: ChunkFlow off). Returns (and keeps as ``cf.tail_warmup``) ``tail_prefixes`` (P), ``tail_variants``
     (compiled dynamo entries of the flex call: one per P on the kept-graph route), ``tail_compile_s`` and
-    ``tail_skipped`` (P past dynamo's recompile limit: those chunks run the bias kernels). CPU: nothing compiled."""
+    ``tail_skipped`` (P past dynamo's recompile limit: those chunks run the bias kernels). ``run``: run the
+    synthetic chunks (None: on CUDA only; on CPU flex is eager and there is nothing to compile)."""
     if cf is None:
         return None
     t0 = time.perf_counter()
@@ -138,7 +139,7 @@ def warm_tails(cf, steps: range, log: Callable[[str], None] = log0) -> dict | No
     rec = {"tail_prefixes": prefixes, "tail_variants": (len(prefixes) - len(skipped)) * per, "tail_compile_s": 0.0,
            "tail_skipped": skipped, "tail_plan_s": time.perf_counter() - t0}  # fmt: skip
     cf.tail_warmup = rec
-    if not todo or cf.device.type != "cuda":  # eager flex on CPU: nothing to compile
+    if not todo or not (cf.device.type == "cuda" if run is None else run):  # eager flex on CPU: nothing to compile
         return rec
     attn, dtype = _attention(cf)
     what = f"{len(todo)} FlexAttention tail variants (P={','.join(map(str, todo))})"
@@ -150,7 +151,8 @@ def warm_tails(cf, steps: range, log: Callable[[str], None] = log0) -> dict | No
         except Exception as e:  # noqa: BLE001 - as a step's flex call: flex off for the process, the bias kernels
             doc_flex.flex_failed(e, torch.empty(0, device=cf.device))
             break
-        torch.cuda.synchronize(cf.device)
+        if cf.device.type == "cuda":
+            torch.cuda.synchronize(cf.device)
         log(f"chunkflow: compiling {what}: {i}/{len(todo)}, {time.perf_counter() - t0:.1f} s")
     tail_flex.WARMED.update(k for p in prefixes if p not in skipped for k in keys[p])
     if skipped:
