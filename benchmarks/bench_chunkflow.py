@@ -47,8 +47,9 @@ A mode whose keys this checkout's config does not know is a row ``not available:
 ``mcore-fixed`` without CUDA. Metrics per mode: ``real_tokens_per_s`` (non-padding input tokens of the step,
 global, over the slowest rank's median step), ``step_ms``, ``mem_gib`` (peak allocated per GPU during the timed
 steps, max over ranks, less what earlier cases left behind), ``padding_share``, ``chunk_fill`` (ChunkFlow: real
-predictions over its chunks' label slots, the timed steps' mean; ``chunkflow.pack_tails`` raises it). Real tokens per
-step:
+predictions over its chunks' label slots, the timed steps' mean; ``chunkflow.pack_tails`` raises it; its packed last
+chunks' FlexAttention variants are compiled before the warm-up steps: ``tail_prefixes``, ``tail_variants`` and
+``tail_compile_s``, the slowest rank's, decision 1241). Real tokens per step:
 ``mcore-fixed`` counts its sequences' tokens (capped at S); the megasparse modes take the trainer's
 ``StepResult.extra["real_tokens"]`` (global) when it reports one, else ``StepResult.tokens`` x dp (packing: all
 real). Writes ``chunkflow_<layout>.json`` (``device``, ``layout``, ``distribution``, ``cases`` with ``mode`` and
@@ -77,12 +78,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_trainer as bt  # noqa: E402
 
+from megasparse.chunkflow.tailwarm import warm_tails  # noqa: E402
 from megasparse.config import ConfigError, load_config  # noqa: E402
 from megasparse.configbase import parse_with_overrides  # noqa: E402
 from megasparse.data.cache import build_once, local_rank  # noqa: E402
 from megasparse.data.lengths import length_report  # noqa: E402
 from megasparse.data.longtail import LongTailSpec, write_longtail  # noqa: E402
 from megasparse.data.sequences import build_sequence_datasets  # noqa: E402
+from megasparse.ops import tail_flex  # noqa: E402
 from megasparse.parallel import state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,6 +188,7 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
     leftover = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     lay = state.layout()
     fills: list[float] = []  # ChunkFlow: the chunks' fill (real / label slots) of each timed step
+    tail = None  # chunkflow.pack_tails: the tail-flex warm-up's record (tailwarm.warm_tails)
     if mode == MCORE:
         dev = torch.device("cuda", torch.cuda.current_device())
         num_mb = cfg.num_microbatches(lay.dp)
@@ -203,6 +207,7 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
 
         tr = Trainer(cfg, init_groups=False)
         dev = tr.device
+        tail = warm_tails(tr.chunkflow, range(warmup + steps))  # pack_tails' flex compiles, outside the timing
 
         def step():
             bt._sync(dev)
@@ -222,13 +227,16 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
         times.append(sec)
         real.append(n)
     mem = bt._peak_gib(dev) - leftover
+    if tail is not None:  # what dynamo really compiled for the tails by now (flex call, mask builder): the warm-up's?
+        tail["tail_cache_entries"] = tail_flex.compiled_entries()
     if getattr(keep, "graphs", None) is not None:
         keep.graphs.release()
     del keep, step
     bt._free()
     fill = statistics.mean(fills[warmup:]) if fills[warmup:] else None
     losses = [x for x in losses if x is not None]
-    return {"times": times, "real": real, "mem_gib": mem, "losses": losses, "dev": dev, "chunk_fill": fill}
+    return {"times": times, "real": real, "mem_gib": mem, "losses": losses, "dev": dev, "chunk_fill": fill,
+            "tail": tail}  # fmt: skip
 
 
 def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
@@ -239,6 +247,8 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
     step_s = max(statistics.median(t) for t in times)
     real = statistics.mean(r["real"])
     slots = cfg.train.global_batch_size * cfg.model.seq_length
+    tail = r.get("tail") or {}
+    compile_s = max(x[0] for x in bt.gather_floats([tail.get("tail_compile_s", 0.0)], dev))  # the slowest rank's
     return {
         "mode": mode,
         "max_length": max_length,
@@ -251,6 +261,11 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
         "seq_length": cfg.model.seq_length,
         "global_batch_size": cfg.train.global_batch_size,
         "chunk_fill": r["chunk_fill"],  # ChunkFlow: real / label slots of its chunks (decision 1233); else None
+        # pack_tails (decision 1241): the tail-flex variants compiled before the timed steps and their seconds
+        "tail_prefixes": tail.get("tail_prefixes"),
+        "tail_variants": tail.get("tail_variants"),
+        "tail_compile_s": compile_s if tail else None,
+        "tail_cache_entries": tail.get("tail_cache_entries"),  # CUDA: [flex, mask] entries; = variants if none late
         "losses": r["losses"],
     }
 

@@ -9,7 +9,8 @@ is normalised by the step's real predictions (its kept ones under ``filter.mode=
 on every rank from the plan: no collective. Under collider the kept rows also go to the loss layer (``KeepHolder``),
 so the chunk's backward is compact, across chunk boundaries too (decision 1223). A long sequence's last chunk that
 also holds short documents (``chunkflow.pack_tails``, decision 1233) runs the prefix attention with their document
-spans, built from the plan's pieces (``_tail_spans``), and its tail's row count (``ChunkKV.pack``).
+spans, built from the plan's pieces (``_tail_spans``), and its tail's row count (``ChunkKV.pack``); on CUDA the
+first ``batches`` call compiles those chunks' FlexAttention variants for the run's steps (``tailwarm.py``).
 ``filter.scorer=excess`` scores each of the rank's sequences whole with the reference on the last stage, once per
 step (decision 1227).
 
@@ -34,6 +35,7 @@ from megasparse.chunkflow.filter import ChunkReference, ChunkSelection
 from megasparse.chunkflow.plan import Chunk, Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.schedule import Schedule, gpipe_per_group, state_aware
 from megasparse.chunkflow.state import ChunkKV, run_group, run_schedule
+from megasparse.chunkflow.tailwarm import warm_tails
 from megasparse.ops.compact import KeepHolder, KeepMeta
 from megasparse.ops.documents import DocSpans
 from megasparse.parallel.pipeline import StageComm
@@ -64,7 +66,7 @@ class ChunkFlowStep:
                  p2p: StageComm | None = None, selection: ChunkSelection | None = None,
                  schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware,
                  doc_kernel: str = "bias", reference: ChunkReference | None = None,
-                 pack_tails: bool = False):  # fmt: skip
+                 pack_tails: bool = False, steps: int | None = None):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
@@ -75,7 +77,9 @@ class ChunkFlowStep:
         kept positions cross with a long group's first backward (``state.run_schedule``, decision 1223).
         ``doc_kernel``: the kernel of a packed chunk's document attention (``data.document_attention_kernel``,
         decision 1201). ``reference``: the excess scorer's reference losses (the last stage's; decision 1227).
-        ``pack_tails`` (with ``eod``): short sequences also fill long sequences' last chunks (decision 1233)."""
+        ``pack_tails`` (with ``eod``): short sequences also fill long sequences' last chunks (decision 1233);
+        ``steps``: the run's last step (``train.steps``), up to which the first ``batches`` call compiles their
+        FlexAttention variants (``tailwarm.py``, decision 1241; None: only a caller's ``warm_tails``)."""
         self.schedule = schedule
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
@@ -83,7 +87,9 @@ class ChunkFlowStep:
         self.source, self.c, self.per_step, self.keep = source, chunk_size, per_step, keep
         self.dp, self.dp_rank, self.device, self.eod, self.max_length = dp, dp_rank, device, eod, max_length
         self.pack, self.selection, self.doc_kernel, self.reference = eod is not None, selection, doc_kernel, reference
-        self.pack_tails = pack_tails
+        self.pack_tails, self.steps = pack_tails, steps
+        self.tail_warmup: dict | None = None
+        """``tailwarm.warm_tails``' record (prefix lengths, variants, compile seconds) once it ran."""
         self.seen: int | None = None
         """Real predictions trained so far, over all ranks (counted from the data at the first step: resumes too)."""
         self.last: dict = {}
@@ -94,7 +100,13 @@ class ChunkFlowStep:
         """A packed chunk's documents for the model (document attention: decision 1200's ``DocSpans``)."""
         return {"docs": DocSpans.from_ids(ids, self.eod, self.doc_kernel)}
 
+    def tail_spans(self, chunk: Chunk, starts: list[int]) -> DocSpans:
+        """The spans of a long sequence's last chunk holding short documents (``_tail_spans``; the warm-up's too)."""
+        return _tail_spans(chunk, starts, self.c, self.device, self.doc_kernel)
+
     def batches(self, step: int) -> RankChunks:
+        if self.tail_warmup is None and self.steps is not None and self.pack and self.pack_tails:
+            warm_tails(self, range(step, max(step + 1, self.steps)))  # from the step a resume starts at
         read = self.source.step_sequences(step, self.per_step)
         seqs = [np.asarray(t) for _, t in read]
         plan = plan_step([len(t) for t in seqs], self.c, self.dp, self.pack, self.max_length, self.pack_tails)
@@ -153,7 +165,7 @@ class ChunkFlowStep:
             chunk = group.chunks[j]
             if kv is not None and len(chunk.pieces) > 1:  # a long sequence's last chunk holding short documents
                 # spans made per forward, like a packed chunk's: their memoised masks go with this chunk's graph
-                spans = _tail_spans(chunk, arrays[j][2], self.c, self.device, self.doc_kernel)
+                spans = self.tail_spans(chunk, arrays[j][2])
                 kv.pack(spans, chunk.pieces[0].count)
             keep = KeepHolder()
             out = stage(ids[j] if stage.first else x, targets[j], keep, **ctx)
@@ -211,6 +223,7 @@ def chunk_step(
         max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), schedule=pipeline_schedule(cf),
         doc_kernel=getattr(cfg.data, "document_attention_kernel", "bias"),
         reference=None if reference is None else ChunkReference(reference), pack_tails=cf.pack_tails,
+        steps=cfg.train.steps,
     )  # fmt: skip
 
 

@@ -15,7 +15,10 @@ concatenated keys/values, whose first P rows are the prefix's (only the tail's r
   so their dynamo cache is not the packed chunks' (``doc_flex``): one compiled variant per prefix length P (a
   multiple of C below the longest sequence: at most ``max_length / C − 1`` of them) and route. ``_room`` stops
   choosing flex for a new shape once dynamo's recompile limit would be reached (dynamo would then run flex
-  eagerly, materialising the [C, P + C] scores); such a chunk runs the bias kernels.
+  eagerly, materialising the [C, P + C] scores); such a chunk runs the bias kernels. ``variant_keys`` names the
+  variants of one chunk; every key asked for is recorded (``REQUESTED``, on CPU too), so ``chunkflow/tailwarm.py``
+  can compile the ones a run's plan predicts before its first step and the tests can check the prediction
+  (decision 1241); a key the warm-up did not predict is compiled when it comes, with one warning.
 - *Backward.* As ``doc_flex`` (decision 1202): the forward's flex graph kept for the dense backward unless a
   saved-tensor hook is active (then flex runs again in the backward). Without a flex backward (CPU) the caller's
   bias kernels run with flex's output and lse, which are the merged ones. Collider's compact backward always takes
@@ -32,7 +35,18 @@ import torch
 from megasparse.ops import doc_flex
 from megasparse.ops.documents import DocSpans
 
-__all__ = ["backward", "block_mask", "chosen", "forward"]
+__all__ = [
+    "REQUESTED",
+    "WARMED",
+    "backward",
+    "block_mask",
+    "chosen",
+    "compiled_entries",
+    "forward",
+    "free_variants",
+    "new_keys",
+    "variant_keys",
+]
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
@@ -53,6 +67,10 @@ def _tail_block_mask(mask_mod, q_len: int, kv_len: int, device):
 _FN: dict[str, Any] = {}
 _SHAPES: set = set()
 """The compiled flex variants used so far on CUDA (shape, dtype, grad): bounded by ``_room``."""
+REQUESTED: set = set()
+"""Every variant key a chunk chose flex with, on any device (what the warm-up must predict; tests read it)."""
+WARMED: set = set()
+"""The keys ``chunkflow/tailwarm.py`` compiled before the first step (empty: no warm-up ran)."""
 
 
 def _fns(cuda: bool):
@@ -72,10 +90,31 @@ def _limit() -> int:
     return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
 
 
+def new_keys(keys: list[tuple]) -> list[tuple]:
+    """Those of ``keys`` not compiled yet in this process."""
+    return [k for k in keys if k not in _SHAPES]
+
+
+def free_variants() -> int:
+    """How many more compiled variants fit under dynamo's recompile limit (the warm-up's budget)."""
+    return max(0, _limit() - len(_SHAPES))
+
+
+def compiled_entries() -> list[int] | None:
+    """Dynamo's cache entries of the flex call's and the mask builder's wrappers (what was really compiled: the
+    benchmark compares it with the warm-up's count); None where this torch cannot say."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+        return [len(entries(f.__code__)) for f in (_tail_flex_attention, _tail_block_mask)]
+    except Exception:  # noqa: BLE001 - a private helper: a diagnostic only
+        return None
+
+
 def _room(keys: list[tuple]) -> bool:
     """Whether every compiled variant ``keys`` names is compiled already or still fits under dynamo's recompile
     limit (then they are counted as compiled). One warning the first time a chunk is refused."""
-    new = [k for k in keys if k not in _SHAPES]
+    new = new_keys(keys)
     if len(_SHAPES) + len(new) > _limit():
         if not _FN.get("warned"):
             _FN["warned"] = True
@@ -95,10 +134,27 @@ def chosen(docs: DocSpans, q: torch.Tensor, prefix: int, keep: bool) -> bool:
     (``_room``); ``keep``: the forward keeps flex's graph (one variant) rather than rerunning it (two)."""
     if not doc_flex.chosen(docs.kernel, q):
         return False
+    keys = variant_keys(q.shape, prefix, q.dtype, keep)
+    REQUESTED.update(keys)
     if not q.is_cuda:
         return True
-    shape = (tuple(q.shape), q.shape[2] + prefix)  # a variant: (q's shape, the keys' length, dtype, under grad)
-    return _room([(*shape, q.dtype, True)] if keep else [(*shape, q.dtype, False), (*shape, q.dtype, True)])
+    late = [k for k in keys if WARMED and k not in WARMED and k not in _SHAPES]
+    if late and not _FN.get("late"):
+        _FN["late"] = True
+        warnings.warn(
+            f"megasparse: a packed last chunk needs a FlexAttention variant the warm-up did not predict (prefix "
+            f"{prefix}): compiling it inside this step",
+            stacklevel=3,
+        )
+    return _room(keys)
+
+
+def variant_keys(q_shape: tuple[int, ...], prefix: int, dtype: torch.dtype, keep: bool) -> list[tuple]:
+    """The compiled variants a packed last chunk with queries of ``q_shape`` [b, h, C, d] and a prefix of ``prefix``
+    keys runs: (q's shape, the keys' length P + C, dtype, under grad); ``keep`` (the forward keeps flex's graph):
+    one, under grad; else the forward's without grad and the backward's rerun under grad."""
+    shape = (tuple(q_shape), q_shape[2] + prefix)
+    return [(*shape, dtype, True)] if keep else [(*shape, dtype, False), (*shape, dtype, True)]
 
 
 def _rule(prefix: int, tail: torch.Tensor, qseg: torch.Tensor, kseg: torch.Tensor):
