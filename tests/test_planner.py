@@ -37,6 +37,9 @@ def test_tiny_config_matches_hand_computed_flops_and_memory():
     assert plan.stages[1].params == BLOCK_PARAMS
     assert plan.stages[3].params == BLOCK_PARAMS + V_PAD * 64  # + output layer
     assert plan.stages[1].state_gib * 1024**3 == 16 * BLOCK_PARAMS
+    # the distributed optimizer: fp32 parameter (this dtype) and gradient whole, master + moments split over dp
+    sharded = load_config(None, TINY + ["parallel.distributed_optimizer=true", "train.global_batch_size=16"])
+    assert estimate(sharded, [1, 1, 1, 1], False, dp=2).stages[1].state_gib * 1024**3 == (4 + 4 + 6) * BLOCK_PARAMS
     # 4 micro-batches per step: stage r keeps min(pp - r, 4) in flight; fp32 activations (the calibrated
     # 57.5 two-byte h-elements per token, doubled for 4-byte elements)
     act_layer = 57.5 * TOKENS * 64 * 2

@@ -29,6 +29,15 @@ STATE_BYTES = 16
 """Bytes per parameter held by a stage: fp32 weight + fp32 grad + Adam's two fp32 moments."""
 
 
+def state_bytes(cfg: Config, dp: int) -> float:
+    """Bytes per parameter a rank holds. ``STATE_BYTES``, or with ``parallel.distributed_optimizer`` the
+    compute-dtype parameter and the fp32 gradient whole, the fp32 master and both moments split over ``dp``."""
+    if not cfg.parallel.distributed_optimizer:
+        return STATE_BYTES
+    elem = 4 if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and cfg.train.device == "cpu") else 2
+    return elem + 4 + 12 / dp
+
+
 def layer_params(cfg: Config) -> int:
     """Matmul parameters of one transformer block (norms are negligible)."""
     m = cfg.model
@@ -172,7 +181,8 @@ def estimate(
             # compute dtype
             if cfg.loss.resolved_impl(tokens, out_cols) in ("materialized", "mcore"):
                 act += tokens * out_cols * (4 + elem)
-        stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, params * STATE_BYTES / GIB, act / GIB))
+        state = params * state_bytes(cfg, dp) / GIB
+        stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, state, act / GIB))
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
     return Plan(name, list(split), vocab_over_pp, stages, num_mb, shares)
 
@@ -187,7 +197,7 @@ def embedding_shares(cfg: Config, split: list[int], vocab: int | None = None, dp
         return list(cfg.loss.embedding_pp_split)
     base = [s.mem_gib for s in estimate(cfg, split, True, vocab, dp, emb_shares=[0.0] * pp).stages]
     tp = cfg.parallel.tp
-    total = _padded_vocab(cfg, vocab, tp * pp) * cfg.model.hidden_size / tp * STATE_BYTES / GIB
+    total = _padded_vocab(cfg, vocab, tp * pp) * cfg.model.hidden_size / tp * state_bytes(cfg, dp) / GIB
     lo, hi = min(base), max(base) + total
     for _ in range(100):  # bisect the water level: sum of max(0, level - base) == total
         mid = (lo + hi) / 2
