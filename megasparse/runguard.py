@@ -231,7 +231,16 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connectio
 _TIMEOUT = ("timed out", "timeout", "watchdog")
 
 
+OOM_LEVERS = (
+    "lower train.micro_batch_size, set model.recompute=selective (or full), parallel.distributed_optimizer=true, "
+    "or split the model over more stages (megasparse plan CONFIG estimates each stage's memory)"
+)
+"""What an out-of-memory failure line suggests: the keys that trade speed for memory, most to least cheap."""
+
+
 def classify(e: BaseException) -> str:
+    if isinstance(e, torch.OutOfMemoryError):
+        return "oom"
     text = f"{type(e).__name__}: {e}".lower()
     if any(s in text for s in _TIMEOUT):
         return "timeout"
@@ -253,6 +262,8 @@ def failure_line(e: BaseException, rank: int, timeout_s: float | None = None) ->
     if kind == "peer":
         return (f"rank {rank} lost a peer while {_doing}: another rank failed or was killed; its error is the "
                 f"real one [{type(e).__name__}: {msg}]")  # fmt: skip
+    if kind == "oom":
+        return f"rank {rank} ran out of GPU memory while {_doing} [{msg}]: {OOM_LEVERS}"
     return f"rank {rank} failed while {_doing}: {type(e).__name__}: {msg}"
 
 

@@ -470,3 +470,23 @@ def test_failure_lines_name_rank_and_activity(capsys):
     assert runguard.report_failure(peer, 600, True) == 1 and capsys.readouterr().err == ""
     line = runguard.failure_line(RuntimeError("Timed out waiting 600000ms for recv operation"), 3, 600)
     assert line.startswith("rank 3 timed out after 600 s (parallel.timeout_minutes) while training step 3: ")
+
+
+def test_out_of_memory_is_one_line_with_the_memory_keys(capsys):
+    """A rank out of GPU memory is not a bug: no traceback, one line with torch's first line (how much it tried to
+    allocate) and the keys that trade speed for memory."""
+    from megasparse import runguard
+
+    runguard.doing("training step 1")
+    try:
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity\nof 79 GiB"
+        )
+    except torch.OutOfMemoryError as e:
+        assert runguard.report_failure(e, 600, False) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    line = err.splitlines()[0]
+    assert line.startswith("megasparse: error: rank 0 ran out of GPU memory while training step 1 [CUDA out of memory.")
+    for key in ("train.micro_batch_size", "model.recompute=selective", "megasparse plan"):
+        assert key in line, key
