@@ -4,6 +4,7 @@
         [--anchors mcore-sdpa,torchtitan-bf16,torchtitan-fp8] [--steps 4] [--warmup 2] [--out-dir DIR] [--append]
         [section.key=value ...]
     python benchmarks/bench_e2e.py --plot docs/benchmarks/data/e2e_LAYOUT.json     # the PNG, on any machine
+    python benchmarks/bench_e2e.py --plot-throughput A.json B.json --png docs/img/X.png  # tokens/s/GPU, anchors too
 
 A layout's code path can be smoke-tested without GPUs: with ``train.device=cpu parallel.backend=gloo
 train.dtype=fp32`` and tiny model overrides every megasparse mode runs on gloo ranks (the anchor needs CUDA and is
@@ -528,6 +529,40 @@ def plot(json_path: str, out_png: str | None = None) -> str:
     return out
 
 
+def plot_throughput(json_paths: list[str], out_png: str) -> str:
+    """Tokens/s/GPU per run, one bar series per JSON (its layout and micro-batch): the torchtitan anchors next to
+    megasparse's modes, for the whole-8B comparison where each call's anchors ran beside its rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = []
+    for path in json_paths:
+        rep = json.loads(Path(path).read_text())
+        for mb in sorted({c["micro_batch_size"] for c in rep["cases"] if "error" not in c}):
+            rows = {c["mode"]: c["tokens_per_s_per_gpu"] for c in rep["cases"]
+                    if "error" not in c and c["micro_batch_size"] == mb}  # fmt: skip
+            series.append((f"mb {mb}: {rep['layout']} (anchors: their own layout)", rows, rep["device"]))
+    anchors = [m for m in (*titan_anchor.CASES, ANCHOR) if any(m in rows for _, rows, _ in series)]
+    modes = {m for _, rows, _ in series for m in rows if m not in anchors}
+    best = {m: max(rows.get(m, 0) for _, rows, _ in series) for m in modes}
+    runs = anchors + sorted(modes, key=best.get)  # megasparse's modes slowest to fastest
+    fig, ax = plt.subplots(figsize=(1.5 + 1.0 * len(runs), 3.8))
+    width = 0.8 / max(1, len(series))
+    for i, (label, rows, _) in enumerate(series):
+        xs = [x + i * width for x, m in enumerate(runs) if m in rows]
+        ax.bar(xs, [rows[m] for m in runs if m in rows], width, label=label)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(runs))], runs, rotation=20, fontsize=8)
+    ax.set_ylabel("tokens/s per GPU (higher is faster)")
+    ax.set_title(" / ".join(sorted({d for _, _, d in series})), fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=120)
+    return out_png
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("layout", nargs="?", choices=list(LAYOUTS))
@@ -545,6 +580,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpu-warmup-s", type=float, default=45.0, help="GEMMs before the first case, to settle clocks")
     p.add_argument("--no-repeat", dest="repeat", action="store_false", help="skip re-timing anchor and dense last")
     p.add_argument("--plot", default=None, help="only plot this JSON to docs/img/e2e_<layout>.png")
+    p.add_argument("--plot-throughput", nargs="+", default=None, metavar="JSON", help="only plot tokens/s/GPU of "
+                   "these JSONs' runs, anchors included, to --png")  # fmt: skip
+    p.add_argument("--png", default=str(ROOT / "docs" / "img" / "e2e_throughput.png"), help="--plot-throughput's file")
     p.add_argument("--merge", nargs="+", default=None, help="only merge these JSONs (one layout, several calls)")
     return parse_with_overrides(p, argv)  # key=value anywhere on the line
 
@@ -553,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
     if a.plot:
         print(plot(a.plot))
+        return 0
+    if a.plot_throughput:
+        print(plot_throughput(a.plot_throughput, a.png))
         return 0
     if a.merge:
         return merge_files(a.merge, a.out_dir)

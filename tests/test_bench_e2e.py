@@ -60,6 +60,12 @@ def test_table_and_plot_from_a_report(tmp_path) -> None:
     path.write_text(json.dumps(rep))
     png = be.plot(str(path), str(tmp_path / "e2e.png"))
     assert Path(png).stat().st_size > 1000
+    for c in cases:  # the throughput plot: tokens/s/GPU of every run, an anchor among them; error rows skipped
+        c.setdefault("tokens_per_s_per_gpu", 1e5 / c.get("step_ms", 1.0))
+    cases.append({"mode": "torchtitan-fp8", "micro_batch_size": 1, "step_ms": 80.0, "tokens_per_s_per_gpu": 1250.0})
+    path.write_text(json.dumps(rep))
+    png = be.plot_throughput([str(path), str(path)], str(tmp_path / "tp.png"))
+    assert Path(png).stat().st_size > 1000
 
 
 def test_ratios_use_the_mean_of_first_and_repeated_runs() -> None:
