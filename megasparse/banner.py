@@ -76,18 +76,17 @@ def _split_hint(cfg: Config, f: RunFacts) -> str | None:
     try:
         even = planner.even_split(cfg.model.num_layers, p.pp)
         best = planner.best_split(cfg, False, f.vocab, f.dp)
-        gain = (
-            1
-            - planner.estimate(cfg, best, False, f.vocab, f.dp).step_flops
-            / planner.estimate(cfg, even, False, f.vocab, f.dp).step_flops
-        )
+        a, b = (planner.estimate(cfg, split, False, f.vocab, f.dp) for split in (even, best))
+        gain = 1 - b.step_flops / a.step_flops
+        more = max(s.mem_gib for s in b.stages) - max(s.mem_gib for s in a.stages)
     except (ConfigError, ValueError, ZeroDivisionError):  # a hint never stops a run from starting
         return None
     if best == even or gain < SPLIT_HINT_GAIN:
         return None
+    text = ",".join(str(n) for n in best)  # no spaces: pasted as one override
     return (
-        f"layer split {even} (even); parallel.layer_split={best} balances the loss stage, an estimated "
-        f"{100 * gain:.1f}% shorter step (megasparse plan: FLOPs and memory per stage)"
+        f"layer split {even} (even); parallel.layer_split=[{text}] balances the loss stage: an estimated "
+        f"{100 * gain:.1f}% shorter step, {more:+.1f} GiB on the fullest stage (megasparse plan CONFIG)"
     )
 
 

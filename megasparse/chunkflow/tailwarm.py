@@ -4,7 +4,7 @@ flex, decisions 1239 and 1241).
 On CUDA ``ops/tail_flex.py`` compiles one flex variant per prefix length P of a packed last chunk (forward, its
 backward and the block-mask builder: tens of seconds of host time each). Found lazily, those compiles land inside
 training steps: a silent stall of minutes, and a benchmark that times compilation. The plan is host-side and cheap
-(``plan.py``), so the variants are known before any model runs: ``tail_prefixes`` walks this rank's plans over the
+(``plan.py``), so the variants are known before any model runs: ``tail_prefixes`` walks every DP rank's plans over the
 steps that will run and collects each packed last chunk's P (its ``offset``: the keys of the earlier chunks), and
 ``warm_tails`` runs one packed last chunk per P through ``prefix_attention`` forward and backward with the stage's
 own shapes, dtype and RoPE tables, so the compiled entries are the ones the steps hit. On CPU flex runs eagerly:
@@ -48,16 +48,18 @@ def _possible(source, chunk_size: int, max_length: int | None) -> int | None:
 
 
 def tail_prefixes(cf, steps: range) -> dict[int, int]:
-    """{P: packed last chunks} of this rank (``cf``: the ``ChunkFlowStep``) over ``steps`` (the first ``HORIZON``),
-    in order of first appearance; the counts are of the steps walked (the walk stops once every possible P was
-    seen)."""
+    """{P: packed last chunks} of every DP rank (``cf``: the ``ChunkFlowStep``) over ``steps`` (the first
+    ``HORIZON``), in order of first appearance; the counts are of the steps walked (the walk stops once every
+    possible P was seen). Every rank's, not this rank's alone: each then compiles the same variants (tens of seconds
+    each), so no rank waits minutes in the first step's collective for a slower one, and every rank runs the same
+    kernel for a given P."""
     if not (cf.pack and cf.pack_tails):
         return {}
     possible = _possible(cf.source, cf.c, cf.max_length)
     found: dict[int, int] = {}
     for s in steps[:HORIZON]:
         plan = plan_step(_lengths(cf.source, s, cf.per_step), cf.c, cf.dp, True, cf.max_length, True)
-        for g in plan.rank_groups(cf.dp_rank):
+        for g in (g for r in range(cf.dp) for g in plan.rank_groups(r)):
             last = g.chunks[-1]
             if len(g.chunks) > 1 and len(last.pieces) > 1:  # what ``ChunkFlowStep`` hands ``ChunkKV.pack``
                 found[last.offset] = found.get(last.offset, 0) + 1
@@ -122,7 +124,7 @@ def _one(cf, attn, dtype, prefix: int) -> None:
 
 
 def warm_tails(cf, steps: range, log: Callable[[str], None] = log0, run: bool | None = None) -> dict | None:
-    """Compile, before ``steps`` run, the tail-flex variants this rank's plans need (``cf``: the ``ChunkFlowStep``;
+    """Compile, before ``steps`` run, the tail-flex variants every DP rank's plans need (``cf``: the ``ChunkFlowStep``;
     None: ChunkFlow off). Returns (and keeps as ``cf.tail_warmup``) ``tail_prefixes`` (P), ``tail_variants``
     (compiled dynamo entries of the flex call: one per P on the kept-graph route), ``tail_compile_s`` and
     ``tail_skipped`` (P past dynamo's recompile limit: those chunks run the bias kernels). ``run``: run the
@@ -148,6 +150,8 @@ def warm_tails(cf, steps: range, log: Callable[[str], None] = log0, run: bool | 
     for i, p in enumerate(todo, 1):
         try:
             _one(cf, attn, dtype, p)
+        except torch.OutOfMemoryError:  # not flex's fault: the bias kernels would need more memory still
+            raise
         except Exception as e:  # noqa: BLE001 - as a step's flex call: flex off for the process, the bias kernels
             doc_flex.flex_failed(e, torch.empty(0, device=cf.device))
             break
