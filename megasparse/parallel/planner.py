@@ -29,13 +29,17 @@ STATE_BYTES = 16
 """Bytes per parameter held by a stage: fp32 weight + fp32 grad + Adam's two fp32 moments."""
 
 
+def _elem(cfg: Config) -> int:
+    """Bytes of one compute-dtype element: fp32 (or auto on CPU) 4, else 2."""
+    return 4 if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and cfg.train.device == "cpu") else 2
+
+
 def state_bytes(cfg: Config, dp: int) -> float:
     """Bytes per parameter a rank holds. ``STATE_BYTES``, or with ``parallel.distributed_optimizer`` the
     compute-dtype parameter and the fp32 gradient whole, the fp32 master and both moments split over ``dp``."""
     if not cfg.parallel.distributed_optimizer:
         return STATE_BYTES
-    elem = 4 if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and cfg.train.device == "cpu") else 2
-    return elem + 4 + 12 / dp
+    return _elem(cfg) + 4 + 12 / dp
 
 
 def layer_params(cfg: Config) -> int:
@@ -147,7 +151,7 @@ def estimate(
         shares = emb_shares or cfg.loss.embedding_pp_split or [1.0 / pp] * pp
     tokens = m.seq_length * cfg.train.micro_batch_size
     num_mb = cfg.num_microbatches(dp)
-    elem = 4 if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and cfg.train.device == "cpu") else 2
+    elem = _elem(cfg)
     h = m.hidden_size
     stages = []
     for r, n in enumerate(split):
