@@ -15,7 +15,7 @@ gradient, as ``fp8/gemm.py`` runs them:
 - ``cast_t``: the gradient's cast with its padded transpose (dgrad and wgrad from one read), and the weight
   gradient's transposed cast of each input (its amax handed over, decision 1242).
 
-    python benchmarks/bench_fp8_cast.py [--tokens 8192] [--reps 20] [--out FILE.json]
+    python benchmarks/bench_fp8_cast.py [--tokens 8192] [--out FILE.json]
 
 Prints the device, each candidate's time per layer and bandwidth, then the fastest ``TILES`` line last; writes JSON
 (default ``docs/benchmarks/data/bench_fp8_cast_<gpu>.json``).
@@ -27,12 +27,15 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_sparse24 import bench  # noqa: E402 - the fp8 benchmarks' timer (triton's do_bench, median)
 
 import megasparse.fp8.cast as cast  # noqa: E402
 
@@ -72,20 +75,6 @@ def layer_work(kind: str, xs: list[torch.Tensor], gs: list[torch.Tensor]):
     return run, sum(g.numel() * 4 for g in gs) + sum(x.numel() * 3 for x in xs)
 
 
-def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def outputs(xs: list[torch.Tensor], gs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every kind's results under the current ``TILES``, to compare candidates bit for bit."""
     pad = _pad16(xs[0].shape[0])
@@ -102,7 +91,6 @@ def outputs(xs: list[torch.Tensor], gs: list[torch.Tensor]) -> list[torch.Tensor
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -124,7 +112,7 @@ def main() -> None:
             cast.TILES[kind] = tile
             same = all(torch.equal(u, v) for u, v in zip(outputs(xs, gs), ref))
             fn, nbytes = layer_work(kind, xs, gs)
-            ms = time_ms(fn, a.reps)
+            ms = bench(fn)
             row = {
                 "kind": kind,
                 "tile": list(tile),
