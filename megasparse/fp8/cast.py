@@ -256,7 +256,7 @@ def quantize_triton(
     axis, computed before; the amax kernel is then skipped (one kernel, one read of ``x``)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    _mask_bytes(x, mask)  # the check, before any kernel
+    m, sm = _mask_bytes(x, mask)  # checked before any kernel
     if transpose and x.dtype == torch.float32 and x.is_cuda:
         # triton 3.6 on sm_90 wrote every fourth row of the transposed fp8 block wrong from an fp32 input (bf16
         # inputs are exact; tests/test_gpu_fp8.py): fp32 inputs (weights, once per optimizer step) transpose in torch
@@ -275,7 +275,6 @@ def quantize_triton(
     q = torch.empty(r, c, dtype=fmt, device=x.device) if write_q else None
     qt = torch.empty(c, ldt, dtype=fmt, device=x.device) if transpose else None
     br, bc, warps = TILES["cast_t" if transpose else "cast"]
-    m, sm = _mask_bytes(x, mask)
     rows = max(r, ldt) if transpose else r
     if rows and c:
         _cast_kernel[(triton.cdiv(rows, br), triton.cdiv(c, bc))](
