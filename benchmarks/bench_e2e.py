@@ -50,7 +50,12 @@ anchor leaves about 10 GiB behind on TinyLlama, which the following case's peak 
 pools counted at their reserved size (``graph_pool_gib``; the allocator's peak alone misses a replayed graph's
 activations: JSON written before 2026-11-26 undercounts the captured modes that way). ``loss_auto`` lists what
 ``loss.impl=auto`` decided in the run, per shape, gathered from every rank (the last pipeline stage holds the loss);
-JSON written before 2026-11-26 (fourth session) lacks it.
+JSON written before 2026-11-26 (fourth session) lacks it. ``mem_gib + leftover_gib`` is what the process held at
+the case's peak; where ``leftover_gib`` is large, time memory-critical cases first or in a call of their own.
+
+A case that fails on some ranks only (an out-of-memory in one pipeline stage) is an error row on every rank when all
+got out of it (``comm.agree``); when a rank stays inside it, blocked in a collective, the call stops after
+``AGREE_S`` with its rows so far instead of waiting out the device time.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ from megasparse.config import ConfigError, load_config  # noqa: E402
 from megasparse.configbase import parse_with_overrides  # noqa: E402
 from megasparse.loss import AUTO_CHOICES  # noqa: E402
 from megasparse.metrics import peak_tflops  # noqa: E402
-from megasparse.parallel import state  # noqa: E402
+from megasparse.parallel import comm, state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
@@ -136,6 +141,9 @@ LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
         ["data.prefix=synthetic", "train.global_batch_size=8", "parallel.sequence_parallel=false"],
     ),
 }
+AGREE_S = 120.0
+"""How long ranks that got out of a case wait for the others before the call stops (a rank left blocked in a
+collective by another's out-of-memory never arrives; the call used to wait for the whole device time)."""
 _COLLIDER = ["filter.mode=collider", "filter.keep_ratio=0.6", "filter.scorer=loss"]
 _CCE = ["loss.impl=cce"]
 _SPARSE = ["sparsity.enabled=true"]
@@ -310,13 +318,26 @@ def run(a: argparse.Namespace) -> int:
                 if not again:
                     errors.append({"mode": name, "micro_batch_size": mb, "error": "needs CUDA (skipped)"})
                 continue
+            failure = None
             try:
                 r = time_case(name, cfg, a)
-            except Exception as e:  # an OOM is itself a result; keep going
+            except Exception as e:  # an OOM is itself a result; keep going when every rank got out of the case
                 traceback.print_exc()
                 bt._free()
+                failure = f"{type(e).__name__}: {e}"
+            agreed = comm.agree(failure is None, AGREE_S)
+            if not agreed:
+                row = {"mode": name, "micro_batch_size": mb, "error": failure or "failed on another rank"}
+                if agreed is None:  # a rank is still in the case, blocked in a collective this one left: stop
+                    write_report(out, report, old, mb_cases + errors + [row], partial=True)
+                    print(
+                        f"bench_e2e: {name} failed on rank {dist.get_rank()} ({failure}) and a rank is still "
+                        f"inside it after {AGREE_S:.0f} s; stopping the call (rows so far: {out})",
+                        flush=True,
+                    )
+                    os._exit(1)  # torchrun stops the blocked ranks
                 if not again:
-                    errors.append({"mode": name, "micro_batch_size": mb, "error": f"{type(e).__name__}: {e}"})
+                    errors.append(row)
                 ok = False
                 continue
             case = case_row(cfg, name, r, vocab_padded, world, dev)

@@ -405,3 +405,62 @@ def test_whole_8b_configs_are_the_measured_layouts() -> None:
         bench = load_config(str(root / base), overrides)
         assert world == 4 and bench.parallel == cfg.parallel and bench.model == cfg.model, name
         assert cfg.logging.out_dir == f"runs/{name}"
+
+
+class _Exited(Exception):
+    pass
+
+
+def _e2e_one_rank_fails(out: str, stuck: bool) -> dict:
+    """2gpu_8b_dp2 at a tiny size on two gloo ranks; rank 1 fails the fp8 case. Rank 0 either gets out of it too
+    (``stuck`` false: its row stands in, no collective) or stays inside it past the agreement's timeout."""
+    import json
+    import time
+
+    import bench_e2e as be
+    import torch.distributed as dist
+
+    real, done = be.time_case, {}
+
+    def time_case(name, cfg, a):
+        if name == "fp8":
+            if dist.get_rank() == 1:
+                raise RuntimeError("CUDA out of memory (stand-in)")
+            if stuck:
+                time.sleep(3.0)  # blocked in a collective the failed rank never joins
+            return done["dense"]
+        done[name] = real(name, cfg, a)
+        return done[name]
+
+    def exit_(code):
+        raise _Exited(code)
+
+    be.time_case, be.AGREE_S, be.os._exit = time_case, 1.0, exit_
+    tiny = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "model.num_layers=2",
+            "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+            "model.ffn_hidden_size=128", "model.seq_length=32", "model.vocab_size=250", "train.global_batch_size=2",
+            "train.eval_interval=0", "data.prefix=synthetic"]  # fmt: skip
+    args = ["--modes", "dense,fp8,collider", "--micro", "1", "--steps", "1", "--warmup", "1", "--gpu-warmup-s", "0"]
+    try:
+        rc = be.main(["2gpu_8b_dp2", *tiny, *args, "--anchors", "", "--no-repeat", "--out-dir", out])
+    except _Exited as e:
+        rc = f"exited {e.args[0]}"
+    path = Path(out) / "e2e_2gpu_8b_dp2.json"
+    return {"rc": rc, "report": json.loads(path.read_text()) if path.exists() else None}
+
+
+def test_a_case_failing_on_one_rank_is_an_error_row_on_all_or_stops_the_call(tmp_path) -> None:
+    """An out-of-memory on one rank: when every rank got out of the case, all record it and the next mode runs; when
+    a rank is still inside it (blocked in a collective), the call stops after ``AGREE_S`` with the rows so far
+    instead of waiting out the device time."""
+    from distributed import run_distributed
+
+    r0, r1 = run_distributed(_e2e_one_rank_fails, 2, str(tmp_path / "a"), False)
+    rows = {c["mode"]: c for c in r0["report"]["cases"]}
+    assert r0["rc"] == r1["rc"] == 1 and r0["report"]["partial"] is False
+    assert rows["fp8"]["error"] == "failed on another rank" and rows["collider"]["step_ms"] > 0
+    r0, r1 = run_distributed(_e2e_one_rank_fails, 2, str(tmp_path / "b"), True)
+    assert r1["rc"] == "exited 1"  # rank 0 still inside the case after AGREE_S: rank 1 stops
+    assert r0["rc"] == "exited 1"  # rank 0, out late, finds the next case's peer gone and stops too
+    rows = {c["mode"]: c for c in r0["report"]["cases"]}
+    assert r0["report"]["partial"] is True and rows["dense"]["step_ms"] > 0 and "error" in rows["fp8"]

@@ -246,6 +246,29 @@ def settle() -> None:
             wait()
 
 
+def agree(ok: bool, timeout_s: float = 60.0) -> bool | None:
+    """Whether every rank passed ``ok``; None when some rank did not arrive within ``timeout_s``.
+
+    Through the rendezvous store, not a collective: after one rank fails (an out-of-memory in one pipeline stage),
+    the others may be blocked inside NCCL for good, and a collective would block the failed rank too. Every rank
+    must call it the same number of times (each call is one round)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    n = dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    _state.rounds = getattr(_state, "rounds", 0) + 1
+    key = f"megasparse/agree/{_state.rounds}"
+    if not ok:
+        store.add(f"{key}/failed", 1)
+    store.add(f"{key}/arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(f"{key}/arrived", 0) < n:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+    return store.add(f"{key}/failed", 0) == 0
+
+
 def broadcast(t: torch.Tensor, src: int, group, group_name: str, region: str | None = None) -> None:
     if world_size(group) == 1:
         return
