@@ -68,6 +68,29 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def live_cuda_tensors(top: int = 6) -> str:
+    """The largest CUDA tensors the garbage collector can still reach, and what holds each: a whole-8B dense case
+    leaves about its stage's bf16 weights allocated into the next case (reports/2026-11-27-4gpu-split-seq8192.md)."""
+    import warnings
+
+    found = []
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, torch.Tensor) and o.is_cuda:
+                    found.append(o)
+            except Exception:  # noqa: BLE001 - objects that refuse isinstance checks
+                continue
+    found.sort(key=lambda t: -t.untyped_storage().nbytes())
+    total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}.values()) / 2**30
+    rows = []
+    for t in found[:top]:
+        holders = sorted({type(r).__name__ for r in gc.get_referrers(t) if r is not found})
+        rows.append(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} held by {','.join(holders) or '?'}")
+    return f"{len(found)} reachable tensors, {total:.2f} GiB: " + "; ".join(rows)
+
+
 def _reset_peak(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -200,6 +223,12 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
     _free()
     # what earlier cases left allocated (megatron-core's anchor leaves ~10 GiB behind on TinyLlama): not this case's
     leftover = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    if leftover > 1.0:
+        print(
+            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {leftover:.2f} GiB left allocated by earlier "
+            f"cases; {live_cuda_tensors()}",
+            flush=True,
+        )
     if impl == "megasparse":
         tr = Trainer(cfg, init_groups=False)
         dev = tr.device
