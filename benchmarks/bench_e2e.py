@@ -492,6 +492,11 @@ def settle_ratios(mb_cases: list[dict]) -> dict:
     return drift
 
 
+def _held(case: dict) -> bool:
+    """Whether a row's peak memory left out over 1 GiB that earlier cases held (``leftover_gib``)."""
+    return (case.get("leftover_gib") or 0.0) > 1.0
+
+
 def format_table(report: dict) -> str:
     head = (
         f"{'mode':<16} {'mb':>3} {'step ms':>9} {'vs mcore':>9} {'vs dense':>9} {'vs tt-bf16':>10} {'vs tt-fp8':>9} "
@@ -510,8 +515,15 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{c['mode']:<16} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {f('ratio_vs_anchor', '9.3f')} "
             f"{f('ratio_vs_dense', '9.3f')} {f('ratio_vs_titan_bf16', '10.3f')} {f('ratio_vs_titan_fp8', '9.3f')} "
-            f"{mfu} {f('tokens_per_s_per_gpu', '9.0f')} {c['mem_gib']:8.2f} {f('optim_state_gib', '9.2f')} "
-            f"{c['host_syncs_per_step']:6.0f}"
+            f"{mfu} {f('tokens_per_s_per_gpu', '9.0f')} {c['mem_gib']:8.2f}{'*' if _held(c) else ' '}"
+            f"{f('optim_state_gib', '8.2f')} {c['host_syncs_per_step']:6.0f}"
+        )
+    held = [c for c in report["cases"] if "error" not in c and _held(c)]
+    if held:
+        lines.append(
+            f"mem GiB*: the case started with {max(c['leftover_gib'] for c in held):.1f} GiB an earlier case left "
+            "allocated, not counted; a run of its own may need up to that much more (a whole-8B dense case's 7.5 GiB "
+            "was: reports/2026-11-27-4gpu-split-seq8192.md)"
         )
     lines.append(
         f"vs mcore, vs tt-bf16, vs tt-fp8: step time / megatron-core's ({ANCHOR}), torchtitan's bf16, its float8 step "

@@ -55,6 +55,11 @@ def test_table_and_plot_from_a_report(tmp_path) -> None:
     rep["loss_auto"] = ["loss.impl=auto -> cce: timed at 8x40"]
     assert be.format_table(rep).splitlines()[-1] == rep["loss_auto"][0]  # what auto ran, under the table
     assert "0.900" in table and "OutOfMemoryError" in table
+    assert "*" not in table and "mem GiB*" not in table
+    cases[1]["leftover_gib"] = 7.5  # a row whose peak left out what an earlier case held is marked, and said why
+    marked = be.format_table(rep)
+    assert "9.00*" in marked and "mem GiB*: the case started with 7.5 GiB" in marked
+    del cases[1]["leftover_gib"]
     pytest.importorskip("matplotlib")
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps(rep))
