@@ -40,9 +40,10 @@ def test_tiny_config_matches_hand_computed_flops_and_memory():
     # the distributed optimizer: fp32 parameter (this dtype) and gradient whole, master + moments split over dp
     sharded = load_config(None, TINY + ["parallel.distributed_optimizer=true", "train.global_batch_size=16"])
     assert estimate(sharded, [1, 1, 1, 1], False, dp=2).stages[1].state_gib * 1024**3 == (4 + 4 + 6) * BLOCK_PARAMS
-    # 4 micro-batches per step: stage r keeps min(pp - r, 4) in flight; fp32 activations (the calibrated
-    # 57.5 two-byte h-elements per token, doubled for 4-byte elements)
-    act_layer = 57.5 * TOKENS * 64 * 2
+    # 4 micro-batches per step: stage r keeps min(pp - r, 4) in flight; fp32 activations, per token: the norms'
+    # inputs and outputs (4h), qkv + rotated q, k + attention output (3 x 64 for q, 3 x 64 for k/v: 4 heads, no
+    # GQA), fc1's [gate | up] and the SwiGLU output (3f)
+    act_layer = (4 * 64 + 3 * 64 + 3 * 64 + 3 * 128) * TOKENS * 4
     assert plan.stages[1].act_gib * 1024**3 == pytest.approx(3 * act_layer)
     # the last stage's loss keeps the hidden and, for impl=materialized, fp32 logits plus their compute-dtype copy
     assert plan.stages[3].act_gib * 1024**3 == pytest.approx(act_layer + TOKENS * 64 * 4 + TOKENS * V_PAD * 8)
@@ -127,3 +128,24 @@ def test_cli_needs_a_vocabulary(capsys):
     assert main(["model.num_layers=4", "parallel.pp=2"]) == 2
     err = capsys.readouterr().err
     assert "model.vocab_size" in err and len(err.strip().splitlines()) == 1
+
+
+def test_recompute_fp8_and_2to4_change_the_memory_estimate():
+    """Selective recompute drops the rotated q/k and the SwiGLU output; full keeps each block's input plus the one
+    block being rebuilt; fp8 adds two one-byte copies of every matmul weight, 2:4 under fp8 one mask byte per FFN
+    weight (the counts the whole 8B's first stage matched within 1 GiB on H200s, planner docstrings)."""
+
+    def stage1(extra: list[str]):
+        return estimate(load_config(None, TINY + extra), [1, 1, 1, 1], vocab_over_pp=False).stages[1]
+
+    base = stage1([])
+    per_token = {"none": 4 * 64 + 3 * 64 + 3 * 64 + 3 * 128, "selective": 4 * 64 + 2 * 64 + 2 * 64 + 2 * 128}
+    sel = stage1(["model.recompute=selective"])
+    assert sel.act_gib * 1024**3 == pytest.approx(3 * per_token["selective"] * TOKENS * 4)
+    full = stage1(["model.recompute=full"])
+    assert full.act_gib * 1024**3 == pytest.approx((3 * 64 + per_token["none"]) * TOKENS * 4)
+    assert full.act_gib < sel.act_gib < base.act_gib
+    fp8 = stage1(["train.fp8=tensorwise"])
+    assert (fp8.state_gib - base.state_gib) * 1024**3 == pytest.approx(2 * BLOCK_PARAMS)
+    both = stage1(["train.fp8=tensorwise", "sparsity.enabled=true"])
+    assert (both.state_gib - fp8.state_gib) * 1024**3 == pytest.approx(3 * 64 * 128)

@@ -169,6 +169,6 @@ def test_banner_names_the_planners_layer_split_when_the_even_one_leaves_the_loss
 
     hint = [line for line in banner([]).splitlines() if line.startswith("  pipeline")]
     assert len(hint) == 1 and "parallel.layer_split=[17,15]" in hint[0] and "5.5%" in hint[0], hint
-    assert "+4.2 GiB on the fullest stage" in hint[0], hint  # the planner's 73.7 -> 77.9 GiB
+    assert "+3.6 GiB on the fullest stage" in hint[0], hint  # the planner: 63.2 -> 66.8 GiB; H200s: 63.5 -> 67.0
     for quiet in (["parallel.layer_split=[17,15]"], ["parallel.pp=1"], ["model.vocab_size=1024"]):
         assert "  pipeline" not in banner(quiet, 1024 if "vocab" in quiet[0] else 128256), quiet

@@ -11,8 +11,9 @@ plus the activations 1F1B keeps in flight, for
   (c) ``loss.vocab_over_pp``: the output layer (and with ``loss.embedding_over_pp`` the input embedding)
       spread evenly over every stage, with its best split.
 
-Estimates are analytic (what the model's matmuls do; activation bytes per token calibrated on our blocks, see
-``ACT_SHARDED``), meant for ranking splits, not for absolute times.
+Estimates are analytic (what the model's matmuls do; the activations each op saves, ``act_elems_per_token``, with
+``model.recompute``; fp8's and 2:4's weight copies), meant for ranking splits and for whether a stage fits, not for
+absolute times.
 """
 
 from __future__ import annotations
@@ -61,21 +62,52 @@ def loss_flops(cfg: Config, tokens: int, vocab_cols: int) -> float:
     return 6.0 * tokens * vocab_cols * cfg.model.hidden_size
 
 
-ACT_UNSHARDED = 4.0
-ACT_SHARDED = 53.5
-"""Bytes per token per hidden unit (two-byte activations) that one of our blocks saves for backward: the two norm
-inputs (``ACT_UNSHARDED``, split over TP only with SP) and the rest (split over TP). Calibrated on two H200s:
-the Gemma-2-2B-like PP=2 run's peak memory moves by 0.50 GiB per layer per in-flight micro-batch between layer
-splits (seq 4096, h 2304: 57.5 bytes per token·h). Korthikanti et al.'s count for a GELU GPT block is 34; SwiGLU's
-two up-projections account for part of the difference, the rest (RoPE and attention-kernel copies, by our
-reading) is not broken down."""
+def act_elems_per_token(cfg: Config, recompute: str | None = None) -> tuple[float, float, float]:
+    """Elements one block saves for its backward per token, as (sequence-sharded under SP, whole on every TP rank,
+    split over TP), by what each op keeps: the two norms' inputs; the norms' outputs, which the column-parallel qkv
+    and fc1 keep gathered; qkv, RoPE's rotated q and k, the attention output, fc1's [gate | up] and the SwiGLU
+    output. ``model.recompute=selective`` drops the rotated q/k and the SwiGLU output (decision 0012).
+
+    Checked on the whole Llama-3-8B at PP 2 × DP 2 on H200s (2026-11-27, first stage, state subtracted): 18.5 GiB
+    at seq 4096 (this count: 17.5 plus the embedding's), selective 9.2 GiB less at seq 8192 (this count: 9.5)."""
+    m = cfg.model
+    h, f = m.hidden_size, m.ffn_size
+    q, kv = m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
+    if (recompute or m.recompute) == "selective":
+        return 2 * h, 2 * h, 2 * q + 2 * kv + 2 * f
+    return 2 * h, 2 * h, 3 * q + 3 * kv + 3 * f
 
 
 def act_bytes_per_layer(cfg: Config, tokens: int, elem: int) -> float:
-    """Activations one block saves for backward for one micro-batch, on one TP rank."""
+    """Activations one block saves for backward for one micro-batch, on one TP rank; under ``model.recompute=full``
+    only the block's input (``full_recompute_bytes`` adds the one block the backward rebuilds at a time)."""
     t, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel
-    per_token_h = (ACT_UNSHARDED + ACT_SHARDED) / t if sp else ACT_UNSHARDED + ACT_SHARDED / t
-    return per_token_h / 2 * elem * tokens * cfg.model.hidden_size
+    seq_shards = t if sp else 1
+    if cfg.model.recompute == "full":
+        return cfg.model.hidden_size / seq_shards * tokens * elem
+    residual, whole, split = act_elems_per_token(cfg)
+    return (residual / seq_shards + whole + split / t) * tokens * elem
+
+
+def full_recompute_bytes(cfg: Config, tokens: int, elem: int) -> float:
+    """Under full recompute, the one block whose activations the backward holds while it runs it again."""
+    t, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel
+    residual, whole, split = act_elems_per_token(cfg, "none")
+    return (residual / (t if sp else 1) + whole + split / t) * tokens * elem
+
+
+def feature_bytes_per_layer(cfg: Config) -> float:
+    """Weight-sized memory features add to one block on one TP rank: ``train.fp8``'s two e4m3 copies of each
+    matmul weight (W for the forward, Wᵀ for the input gradient); 2:4's masks (one byte per FFN weight) and, without
+    fp8, its cuSPARSELt operands of W and Wᵀ (half the values in bf16 plus metadata: ~1.125 bytes each; not measured
+    at 8B). On the whole 8B's first stage fp8 read 6.6 GiB over bf16 and fp8 with 2:4 9.3 (2026-11-27)."""
+    extra = 0.0
+    ffn = 3 * cfg.model.hidden_size * cfg.model.ffn_size
+    if cfg.train.fp8 != "off":
+        extra += 2 * layer_params(cfg)
+    if cfg.sparsity.enabled:
+        extra += ffn * (1 if cfg.train.fp8 != "off" else 1 + 2 * 1.125)
+    return extra / cfg.parallel.tp
 
 
 @dataclass
@@ -160,6 +192,8 @@ def estimate(
         # 1F1B keeps pp − r micro-batches in flight; vocab_over_pp's lock-step schedule 2(pp − 1 − r) + 1
         in_flight = min(2 * (pp - 1 - r) + 1 if vocab_over_pp else pp - r, num_mb)
         act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
+        if m.recompute == "full" and n:
+            act += full_recompute_bytes(cfg, tokens, elem)
         parts = []
         if shares is not None:
             parts.append(f"emb{100 * shares[r]:.0f}%")
@@ -185,7 +219,7 @@ def estimate(
             # compute dtype
             if cfg.loss.resolved_impl(tokens, out_cols) in ("materialized", "mcore"):
                 act += tokens * out_cols * (4 + elem)
-        state = params * state_bytes(cfg, dp) / GIB
+        state = (params * state_bytes(cfg, dp) + n * feature_bytes_per_layer(cfg)) / GIB
         stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, state, act / GIB))
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
     return Plan(name, list(split), vocab_over_pp, stages, num_mb, shares)
