@@ -188,6 +188,11 @@ class Config:
                 "embedding group, implemented without parallel.distributed_optimizer, parallel.virtual_stages or "
                 "loss.vocab_over_pp; turn those off or use parallel.pp=1"
             )
+        if p.layer_split == "auto" and self.chunkflow.enabled:
+            raise ConfigError(
+                "parallel.layer_split=auto: the planner does not model chunkflow's chunks (a varying count per step, "
+                "each with its K/V state); give parallel.layer_split as a list or null"
+            )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")
         if p.virtual_stages > 1 and self.loss.vocab_over_pp:
