@@ -62,6 +62,15 @@ def test_the_whole_8b_at_pp2_dp2_resolves_to_17_15_without_a_process_group():
     assert auto_split(vop, 128256, 2).split == [16, 16]
 
 
+def test_plan_shows_what_auto_resolves_to(capsys):
+    from megasparse.parallel.planner import main
+
+    assert main([str(ROOT / "configs" / "gpu_8b_pp2_dp2.yaml"), "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "(a: even split, vocabulary on the last stage) parallel.layer_split=[16, 16]" in out, out
+    assert "parallel.layer_split=auto resolves to [17, 15] here (est. 5.5% shorter step than [16, 16], +4.2 GiB" in out
+
+
 # vocab 1024 at hidden 64: the loss's 6·V·h FLOPs per token outweigh one block, so the planner moves a layer off the
 # last stage: [3, 1] (the even [2, 2] leaves it the slowest)
 AUTO_TINY = tiny(**TRAINING, model__vocab_size=1024, train__steps=3) + PP2
