@@ -12,7 +12,8 @@ plus the activations 1F1B keeps in flight, for
       spread evenly over every stage, with its best split.
 
 Estimates are analytic (what the model's matmuls do; activation bytes per token calibrated on our blocks, see
-``ACT_SHARDED``), meant for ranking splits, not for absolute times.
+``ACT_SHARDED``), meant for ranking splits, not for absolute times. ``parallel.layer_split: auto`` trains (b)'s split,
+or (c)'s under ``loss.vocab_over_pp`` (``resolve_layer_split``, decision 1243).
 """
 
 from __future__ import annotations
