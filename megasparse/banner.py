@@ -62,31 +62,31 @@ SPLIT_HINT_GAIN = 0.02
 """The planner's estimated step gain from a better layer split below which the banner says nothing."""
 
 
-def _split_hint(cfg: Config, f: RunFacts) -> str | None:
-    """On an even 1F1B split, the planner's split when it balances the stages (the last one carries the output
-    layer and its loss, worth blocks at a large vocabulary) by an estimated ≥ 2% of the step; else None."""
+def _split_line(cfg: Config, f: RunFacts) -> str | None:
+    """The pipeline line: what ``parallel.layer_split: auto`` resolved to; or, on an even 1F1B split, the planner's
+    split when it balances the stages (the last one carries the output layer and its loss, worth blocks at a large
+    vocabulary) by an estimated ≥ 2% of the step; else None."""
     from megasparse.configbase import ConfigError
     from megasparse.parallel import planner
 
     p = cfg.parallel
+    if p.auto_split is not None:
+        return f"layer split {p.auto_split.split} (auto: planner, {p.auto_split.describe()})"
     if p.pp < 2 or p.virtual_stages > 1 or p.layer_split is not None or cfg.loss.vocab_over_pp:
         return None
     if cfg.chunkflow.enabled:
         return None
     try:
-        even = planner.even_split(cfg.model.num_layers, p.pp)
-        best = planner.best_split(cfg, False, f.vocab, f.dp)
-        a, b = (planner.estimate(cfg, split, False, f.vocab, f.dp) for split in (even, best))
-        gain = 1 - b.step_flops / a.step_flops
-        more = max(s.mem_gib for s in b.stages) - max(s.mem_gib for s in a.stages)
+        best = planner.against_even(cfg, planner.best_split(cfg, False, f.vocab, f.dp), f.vocab, f.dp)
     except (ConfigError, ValueError, ZeroDivisionError):  # a hint never stops a run from starting
         return None
-    if best == even or gain < SPLIT_HINT_GAIN:
+    if best.split == best.even or best.gain < SPLIT_HINT_GAIN:
         return None
-    text = ",".join(str(n) for n in best)  # no spaces: pasted as one override
+    text = ",".join(str(n) for n in best.split)  # no spaces: pasted as one override
     return (
-        f"layer split {even} (even); parallel.layer_split=[{text}] balances the loss stage: an estimated "
-        f"{100 * gain:.1f}% shorter step, {more:+.1f} GiB on the fullest stage (megasparse plan CONFIG)"
+        f"layer split {best.even} (even); parallel.layer_split=[{text}] (or parallel.layer_split=auto) balances "
+        f"the loss stage: an estimated {100 * best.gain:.1f}% shorter step, {best.more_gib:+.1f} GiB on the fullest "
+        "stage (megasparse plan CONFIG)"
     )
 
 
@@ -106,7 +106,7 @@ def format_banner(cfg: Config, f: RunFacts) -> str:
         f"  layout     world {f.world} = tp {p.tp} x pp {p.pp} x dp {f.dp} | sequence parallel "
         f"{_onoff(p.sequence_parallel)} | virtual stages {p.virtual_stages} | {mbs}",
     ]
-    hint = _split_hint(cfg, f)
+    hint = _split_line(cfg, f)
     if hint:
         lines.append(f"  pipeline   {hint}")
     if cfg.chunkflow.enabled:

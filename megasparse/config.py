@@ -23,7 +23,7 @@ from megasparse.data.config import DataConfig
 from megasparse.filtering.config import FilterConfig
 from megasparse.loss.config import LossConfig
 from megasparse.model.config import ModelConfig
-from megasparse.parallel.config import ParallelConfig
+from megasparse.parallel.config import AUTO, ParallelConfig
 from megasparse.sparse24.config import SparsityConfig
 
 __all__ = ["Config", "ConfigError", "load_config", "to_dict"]
@@ -187,6 +187,11 @@ class Config:
                 "model.tie_embeddings=true under parallel.pp > 1 sums the two stages' copies' gradients over an "
                 "embedding group, implemented without parallel.distributed_optimizer, parallel.virtual_stages or "
                 "loss.vocab_over_pp; turn those off or use parallel.pp=1"
+            )
+        if p.layer_split == AUTO and self.chunkflow.enabled:
+            raise ConfigError(
+                "parallel.layer_split=auto: the planner does not model chunkflow's chunks (a varying count per step, "
+                "each with its K/V state); give parallel.layer_split as a list or null"
             )
         if self.loss.vocab_over_pp and p.pp == 1:
             raise ConfigError("loss.vocab_over_pp=true needs parallel.pp > 1")

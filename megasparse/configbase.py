@@ -27,6 +27,38 @@ def _suggest(key: str, options: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(options))})"
 
 
+def _describe(tp: Any) -> str:
+    """How an error names one alternative of a union: its literal values, or the kind of value it takes."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return ", ".join(str(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(tp, str(tp))
+
+
+def _union_error(value: Any, args: tuple, errors: list[str], path: str) -> str:
+    """One line for a value no alternative of a union took. A list (mapping) gets the list (mapping) alternative's
+    own error, which names the bad entry; anything else gets every accepted form, with a did-you-mean over the
+    union's literal values (``parallel.layer_split='autp'``: a list, auto or null (did you mean 'auto'?))."""
+    non_none = [a for a in args if a is not type(None)]
+    if len(non_none) == 1:
+        return errors[0]
+    for a, err in zip(non_none, errors):
+        origin = typing.get_origin(a)
+        if isinstance(value, (list, tuple)) and origin in (list, tuple):
+            return err
+        if isinstance(value, dict) and (origin is dict or dataclasses.is_dataclass(a)):
+            return err
+    forms = [_describe(a) for a in non_none] + (["null"] if type(None) in args else [])
+    literals = [str(v) for a in non_none if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)]
+    close = difflib.get_close_matches(str(value), literals, n=1, cutoff=0.5)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"{path}={value!r}: use {', '.join(forms[:-1])} or {forms[-1]}{hint}"
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -40,7 +72,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, a, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+        raise ConfigError(_union_error(value, args, errors, path))
     if origin is typing.Literal:
         if isinstance(value, bool) and ("on" if value else "off") in args:  # YAML 1.1's bare off/on
             value = "on" if value else "off"

@@ -396,10 +396,14 @@ def test_titan_builds_the_configs_model() -> None:
 
 def test_whole_8b_configs_are_the_measured_layouts() -> None:
     """The user-facing whole-8B configs validate on 4 ranks and are the layouts §0 measured: DP 4 at mb 2 (H200) and
-    PP 2 × DP 2 at mb 1 (80 GB cards), both with the distributed optimizer, as ``bench_e2e``'s layouts set them."""
+    PP 2 × DP 2 at mb 1 (80 GB cards), both with the distributed optimizer, as ``bench_e2e``'s layouts set them. The
+    PP config's ``layer_split: auto`` is the [17, 15] measured against bench_e2e's even split (decision 1243)."""
+    import dataclasses
+
     import bench_e2e as be
 
     from megasparse.config import load_config
+    from megasparse.parallel.planner import auto_split
 
     root = Path(be.__file__).parent.parent
     cases = (("gpu_8b_dp4", "4gpu_8b32l_dp4", 4, 2), ("gpu_8b_pp2_dp2", "4gpu_8b32l_pp2_dp2", 2, 1))
@@ -408,6 +412,10 @@ def test_whole_8b_configs_are_the_measured_layouts() -> None:
         assert cfg.validate(world_size=4, devices=False) == dp and cfg.train.micro_batch_size == mb
         base, world, overrides = be.LAYOUTS[layout]
         bench = load_config(str(root / base), overrides)
+        if name == "gpu_8b_pp2_dp2":
+            assert cfg.parallel.layer_split == "auto" and bench.parallel.layer_split is None
+            assert auto_split(cfg, dp=dp).split == [17, 15]
+            cfg.parallel = dataclasses.replace(cfg.parallel, layer_split=None)
         assert world == 4 and bench.parallel == cfg.parallel and bench.model == cfg.model, name
         assert cfg.logging.out_dir == f"runs/{name}"
 

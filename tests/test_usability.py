@@ -154,21 +154,33 @@ def test_banner_and_step_line_say_what_is_on_and_where_the_run_is(tmp_path):
 
 
 def test_banner_names_the_planners_layer_split_when_the_even_one_leaves_the_loss_stage_heavy():
-    """The whole 8B at PP 2: the last stage's 128K-vocabulary loss is worth blocks, so the banner names the planner's
-    [17, 15] (an estimated 5.5% shorter step); a configured split, one stage, or a small vocabulary say nothing."""
+    """The whole 8B at PP 2: the last stage's 128K-vocabulary loss is worth blocks, so on the even split the banner
+    names the planner's [17, 15] (an estimated 5.5% shorter step) and layer_split=auto; a configured split, one stage,
+    or a small vocabulary say nothing; auto, resolved, shows what it chose against the even split."""
     from pathlib import Path
 
     import torch
 
     from megasparse.banner import RunFacts, format_banner
+    from megasparse.parallel.planner import resolve_layer_split
 
     def banner(overrides: list[str], vocab: int = 128256) -> str:
         cfg = load_config(str(Path(__file__).parent.parent / "configs" / "gpu_8b_pp2_dp2.yaml"), overrides)
+        resolve_layer_split(cfg, vocab, 2)  # what build_model does
         facts = RunFacts(4, 2, vocab, vocab, torch.device("cpu"), torch.bfloat16, 16, None, 0.0, True, None)
         return format_banner(cfg, facts)
 
-    hint = [line for line in banner([]).splitlines() if line.startswith("  pipeline")]
+    hint = [line for line in banner(["parallel.layer_split=null"]).splitlines() if line.startswith("  pipeline")]
     assert len(hint) == 1 and "parallel.layer_split=[17,15]" in hint[0] and "5.5%" in hint[0], hint
+    assert "parallel.layer_split=auto" in hint[0], hint
     assert "+3.6 GiB on the fullest stage" in hint[0], hint  # the planner: 63.2 -> 66.8 GiB; H200s: 63.5 -> 67.0
-    for quiet in (["parallel.layer_split=[17,15]"], ["parallel.pp=1"], ["model.vocab_size=1024"]):
-        assert "  pipeline" not in banner(quiet, 1024 if "vocab" in quiet[0] else 128256), quiet
+    even = ["parallel.layer_split=null"]
+    for quiet in (["parallel.layer_split=[17,15]"], [*even, "parallel.pp=1"], [*even, "model.vocab_size=1024"]):
+        assert "  pipeline" not in banner(quiet, 1024 if "vocab" in quiet[-1] else 128256), quiet
+    auto = [line for line in banner([]).splitlines() if line.startswith("  pipeline")]
+    assert auto == [
+        "  pipeline   layer split [17, 15] (auto: planner, est. 5.5% shorter step than [16, 16], +3.6 GiB on the "
+        "fullest stage)"
+    ], auto
+    small = banner(["model.vocab_size=1024"], 1024)
+    assert "layer split [16, 16] (auto: planner, the even split is already the planner's best)" in small, small

@@ -63,8 +63,15 @@ def build_model(
 ) -> GPTStage | StageChunks:
     """This rank's pipeline stage of ``cfg``'s model; ``whole``: every layer in one stage on this rank's TP
     group, whatever the pipeline layout (the online reference model, run by the last stage). With
-    ``parallel.virtual_stages`` = v > 1, the rank's v chunks: chunk c is virtual stage c·pp + pp_rank."""
+    ``parallel.virtual_stages`` = v > 1, the rank's v chunks: chunk c is virtual stage c·pp + pp_rank.
+
+    ``parallel.layer_split: auto`` is resolved here, in ``cfg``, at the first build of a stage: the first place a
+    split is needed and the first where the vocabulary and dp are known (every rank computes the same split)."""
     m = cfg.model
+    if not whole:
+        from megasparse.parallel.planner import resolve_layer_split
+
+        resolve_layer_split(cfg, vocab, state.layout().dp)
     whole_layout = dataclasses.replace(state.layout(), pp=1, pp_rank=0) if whole else None
 
     def stage(virtual_stage: int | None = None) -> GPTStage:

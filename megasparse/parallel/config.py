@@ -3,9 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from megasparse.configbase import ConfigError
+
+AUTO = "auto"
+"""``parallel.layer_split: auto``: the planner's split, resolved once when the model is built (decision 1243)."""
+
+
+@dataclass(frozen=True)
+class AutoSplit:
+    """What ``layer_split: auto`` resolved to (``planner.resolve_layer_split``), for the banner and ``megasparse
+    plan``: the planner's split against the even one, with its estimated step and memory change."""
+
+    split: list[int]
+    even: list[int]
+    gain: float
+    """Estimated share of the pipeline step saved against the even split (0: the even split is the best)."""
+    more_gib: float
+    """Estimated change of the fullest stage's memory against the even split."""
+
+    def describe(self) -> str:
+        if self.split == self.even:
+            return "the even split is already the planner's best"
+        return (
+            f"est. {100 * self.gain:.1f}% shorter step than {self.even}, {self.more_gib:+.1f} GiB on the fullest stage"
+        )
 
 
 @dataclass
@@ -18,10 +41,15 @@ class ParallelConfig:
     """Pipeline-parallel size."""
     sequence_parallel: bool = False
     """Shard norms/residuals over the sequence in TP regions (needs tp > 1)."""
-    layer_split: list[int] | None = None
+    layer_split: list[int] | Literal["auto"] | None = None
     """Layers per pipeline stage, e.g. [3, 5]; None splits evenly (remainder to the first stages). With
     virtual_stages > 1: layers per virtual stage, pp·virtual_stages entries in virtual-stage order (chunk c of
-    rank r is entry c·pp + r)."""
+    rank r is entry c·pp + r). auto: the planner's split (``megasparse plan``: the last stage's output layer and
+    loss weigh like blocks at a large vocabulary), replaced by the list when the model is built, so saved configs
+    record it; 1F1B stages only (virtual_stages=1), not with chunkflow. Opt-in: the first stage's memory grows
+    (docs/decisions/1243)."""
+    auto_split: ClassVar[AutoSplit | None] = None
+    """Not a config key: set on the instance when ``layer_split: auto`` was resolved (what the banner prints)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (Megatron's interleaved 1F1B): chunk c of rank r holds virtual stage
     c·pp + r. The bubble falls from (pp−1)/(M+pp−1) to (pp−1)/(v·M+pp−1) of a step for v times the pipeline
@@ -61,9 +89,16 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.pp={self.pp} is more pipeline stages than model.num_layers={num_layers}; lower parallel.pp"
             )
+        if self.layer_split == AUTO and self.pp == 1:
+            raise ConfigError("parallel.layer_split=auto needs parallel.pp > 1 (one stage has nothing to split)")
+        if self.layer_split == AUTO and self.virtual_stages > 1:
+            raise ConfigError(
+                f"parallel.layer_split=auto: the planner models plain 1F1B stages, not parallel.virtual_stages="
+                f"{self.virtual_stages}; give parallel.layer_split per virtual stage (a list) or set virtual_stages=1"
+            )
         self._validate_virtual(num_layers)
         stages = self.pp * self.virtual_stages
-        if self.layer_split is not None:
+        if isinstance(self.layer_split, list):
             if len(self.layer_split) != stages or sum(self.layer_split) != num_layers:
                 per = "" if self.virtual_stages == 1 else " (pp x virtual_stages, one per virtual stage)"
                 raise ConfigError(
@@ -99,6 +134,8 @@ class ParallelConfig:
 
     def stage_layers(self, num_layers: int) -> list[int]:
         """Number of layers on each pipeline stage (each virtual stage, in virtual-stage order, when v > 1)."""
+        if self.layer_split == AUTO:
+            raise RuntimeError("parallel.layer_split=auto is resolved by planner.resolve_layer_split before use")
         if self.layer_split is not None:
             return list(self.layer_split)
         stages = self.pp * self.virtual_stages

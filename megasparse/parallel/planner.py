@@ -13,7 +13,8 @@ plus the activations 1F1B keeps in flight, for
 
 Estimates are analytic (what the model's matmuls do; the activations each op saves, ``act_elems_per_token``, with
 ``model.recompute``; fp8's and 2:4's weight copies), meant for ranking splits and for whether a stage fits, not for
-absolute times.
+absolute times. ``parallel.layer_split: auto`` trains (b)'s split, or (c)'s under ``loss.vocab_over_pp``
+(``resolve_layer_split``, decision 1243).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from megasparse.config import Config, ConfigError, load_config
 from megasparse.configbase import parse_with_overrides
+from megasparse.parallel.config import AUTO, AutoSplit
 
 GIB = 1024**3
 STATE_BYTES = 16
@@ -285,6 +287,39 @@ def even_split(layers: int, pp: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(pp)]
 
 
+def against_even(cfg: Config, split: list[int], vocab: int | None = None, dp: int = 1) -> AutoSplit:
+    """``split`` against the even split, both with the run's vocabulary placement (``loss.vocab_over_pp``, its
+    embedding shares as the run would build them): the estimated share of the step saved and the fullest stage's
+    memory change."""
+    vop = cfg.loss.vocab_over_pp
+    even = even_split(cfg.model.num_layers, cfg.parallel.pp)
+
+    def plan(s: list[int]) -> Plan:
+        shares = embedding_shares(cfg, s, vocab, dp) if vop and cfg.loss.embedding_over_pp else None
+        return estimate(cfg, s, vop, vocab, dp, emb_shares=shares)
+
+    a, b = plan(even), plan(split)
+    more = max(s.mem_gib for s in b.stages) - max(s.mem_gib for s in a.stages)
+    return AutoSplit(list(split), even, 1 - b.step_flops / a.step_flops, more)
+
+
+def auto_split(cfg: Config, vocab: int | None = None, dp: int = 1) -> AutoSplit:
+    """What ``parallel.layer_split: auto`` becomes: ``best_split`` for the run's vocabulary placement. Pure
+    arithmetic on the config, the vocabulary and dp, so every rank computes the same split without talking."""
+    return against_even(cfg, best_split(cfg, cfg.loss.vocab_over_pp, vocab, dp), vocab, dp)
+
+
+def resolve_layer_split(cfg: Config, vocab: int, dp: int) -> AutoSplit | None:
+    """Replace ``parallel.layer_split: auto`` in ``cfg`` by the planner's list (once: afterwards it is a list, which
+    dumped configs record) and keep the choice on ``cfg.parallel.auto_split`` for the banner; None when not auto."""
+    p = cfg.parallel
+    if p.layer_split != AUTO:
+        return None
+    choice = auto_split(cfg, vocab, dp)
+    p.layer_split, p.auto_split = list(choice.split), choice
+    return choice
+
+
 def format_plan(plan: Plan, anchor: Plan) -> str:
     lines = [f"({plan.name}) parallel.layer_split={plan.split}"]
     lines.append(
@@ -307,9 +342,9 @@ def format_plan(plan: Plan, anchor: Plan) -> str:
 def plans(cfg: Config, vocab: int | None = None, dp: int = 1) -> tuple[Plan, Plan, Plan]:
     """(a) configured/even split with the vocabulary on the last stage, (b) its best split, (c) vocab_over_pp."""
     p = cfg.parallel
-    configured = list(p.layer_split) if p.layer_split else even_split(cfg.model.num_layers, p.pp)
+    configured = list(p.layer_split) if isinstance(p.layer_split, list) else even_split(cfg.model.num_layers, p.pp)
     a = estimate(cfg, configured, False, vocab, dp)
-    a.name = "a: configured split, vocabulary on the last stage"
+    a.name = f"a: {'even' if p.layer_split == AUTO else 'configured'} split, vocabulary on the last stage"
     b = estimate(cfg, best_split(cfg, False, vocab, dp), False, vocab, dp)
     b.name = "b: recommended split, vocabulary on the last stage"
     c_split = best_split(cfg, True, vocab, dp)
@@ -348,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_plan(plan, pa))
     print()
     print(f"recommended: parallel.layer_split={pb.split}  (or loss.vocab_over_pp=true parallel.layer_split={pc.split})")
+    if cfg.parallel.layer_split == AUTO:
+        choice = auto_split(cfg, a.vocab, a.dp)
+        print(f"parallel.layer_split=auto resolves to {choice.split} here ({choice.describe()})")
     if pc.emb_shares is not None:
         print(f"with vocab_over_pp the input embedding is split {[round(x, 3) for x in pc.emb_shares]} over the stages "
               "(loss.embedding_pp_split; null = this planner's memory balance)")  # fmt: skip
