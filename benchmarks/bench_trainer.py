@@ -73,17 +73,23 @@ def live_cuda_tensors(top: int = 6) -> str:
     leaves about its stage's bf16 weights allocated into the next case (reports/2026-11-27-4gpu-split-seq8192.md)."""
     import warnings
 
-    found = []
+    found, storages = [], {}
     with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
         warnings.simplefilter("ignore")
         for o in gc.get_objects():
             try:
-                if isinstance(o, torch.Tensor) and o.is_cuda:
-                    found.append(o)
-            except Exception:  # noqa: BLE001 - objects that refuse isinstance checks
+                if not (isinstance(o, torch.Tensor) and o.is_cuda):
+                    continue
+                st = o.untyped_storage()
+                ptr, size = st.data_ptr(), st.nbytes()
+            except Exception:  # noqa: BLE001 - refuses isinstance, or no storage of its own (DTensor, Float8Tensor)
                 continue
-    found.sort(key=lambda t: -t.untyped_storage().nbytes())
-    total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}.values()) / 2**30
+            if ptr:  # a FakeTensor (torch.compile's caches) reads 0: it holds no memory
+                found.append((size, o))
+                storages[ptr] = size
+    found.sort(key=lambda x: -x[0])
+    found = [t for _, t in found]
+    total = sum(storages.values()) / 2**30
     rows = []
     for t in found[:top]:
         holders = sorted({type(r).__name__ for r in gc.get_referrers(t) if r is not found})

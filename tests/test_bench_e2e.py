@@ -477,3 +477,27 @@ def test_a_case_failing_on_one_rank_is_an_error_row_on_all_or_stops_the_call(tmp
     assert r0["rc"] == "exited 1"  # rank 0, out late, finds the next case's peer gone and stops too
     rows = {c["mode"]: c for c in r0["report"]["cases"]}
     assert r0["report"]["partial"] is True and rows["dense"]["step_ms"] > 0 and "error" in rows["fp8"]
+
+
+def test_live_cuda_tensors_skips_tensors_without_memory_of_their_own() -> None:
+    """The leftover-memory diagnostic runs before a case: a reachable CUDA wrapper subclass (torchtitan's DTensor,
+    torchao's Float8Tensor) or a FakeTensor (torch.compile's caches) must neither stop the case (a wrapper's storage
+    has no data pointer) nor be counted as memory. Both are made without a GPU."""
+    import torch
+    from bench_trainer import live_cuda_tensors
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, shape):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bfloat16, device="cuda")
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+    held = [Wrapper((1024, 1024))]
+    with FakeTensorMode():
+        held.append(torch.empty(1024, 1024, device="cuda"))
+    assert all(t.is_cuda for t in held)
+    assert live_cuda_tensors().startswith("0 reachable tensors, 0.00 GiB"), live_cuda_tensors()
