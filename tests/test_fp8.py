@@ -68,23 +68,26 @@ def _check() -> None:
 
 
 def _check_tiles(quantize_triton) -> None:
-    """Other tilings of the kernels (rows ≠ columns, tiles larger than the tensor, other warp counts) give the
-    reference's bits on every axis, transposed and padded: the per-card choice of ``cast.TILES`` cannot change a
-    result."""
+    """The shipped ``cast.TILES`` and other tilings (rows ≠ columns, tiles larger than the tensor, other warp counts)
+    give the reference's bits on every axis, both for the plain cast and the transposed, padded one (each has its
+    own entry): the per-card choice of ``cast.TILES`` cannot change a result."""
     import megasparse.fp8.cast as cast
 
     saved = dict(cast.TILES)
     x = (torch.randn(70, 45, generator=torch.Generator().manual_seed(4)) * 9).to(torch.bfloat16)
     try:
-        for tile in ((16, 128, 4), (128, 32, 8), (32, 32, 2)):
-            cast.TILES.update(amax=tile, cast=tile, cast_t=tile)
+        for tile in (None, (16, 128, 4), (128, 32, 8), (32, 32, 2)):  # None: the shipped TILES
+            if tile is not None:
+                cast.TILES.update(amax=tile, cast=tile, cast_t=tile)
             for fmt in (E4M3, E5M2):
                 for axis in ("tensor", "row", "col"):
                     q, qt, s = quantize_triton(x, fmt, axis, transpose=True, pad_to=80)
+                    q_plain, _, s_plain = quantize_triton(x, fmt, axis)
                     q_ref, s_ref = quantize_reference(x, fmt, axis)
                     qt_ref, _ = quantize_reference(x, fmt, axis, transpose=True, pad_to=80)
                     assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(_bits(qt), _bits(qt_ref)), tile
-                    assert torch.equal(s, s_ref), (tile, fmt, axis)
+                    assert torch.equal(_bits(q_plain), _bits(q_ref)), (tile, fmt, axis)
+                    assert torch.equal(s, s_ref) and torch.equal(s_plain, s_ref), (tile, fmt, axis)
     finally:
         cast.TILES.update(saved)
 
