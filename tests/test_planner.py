@@ -44,9 +44,12 @@ def test_tiny_config_matches_hand_computed_flops_and_memory():
     # inputs and outputs (4h), qkv + rotated q, k + attention output (3 x 64 for q, 3 x 64 for k/v: 4 heads, no
     # GQA), fc1's [gate | up] and the SwiGLU output (3f)
     act_layer = (4 * 64 + 3 * 64 + 3 * 64 + 3 * 128) * TOKENS * 4
-    assert plan.stages[1].act_gib * 1024**3 == pytest.approx(3 * act_layer)
-    # the last stage's loss keeps the hidden and, for impl=materialized, fp32 logits plus their compute-dtype copy
-    assert plan.stages[3].act_gib * 1024**3 == pytest.approx(act_layer + TOKENS * 64 * 4 + TOKENS * V_PAD * 8)
+    hidden = TOKENS * 64 * 4  # a middle stage's output, held per micro-batch until its backward (pipeline.InFlight)
+    assert plan.stages[1].act_gib * 1024**3 == pytest.approx(3 * (act_layer + hidden))
+    assert plan.stages[0].act_gib * 1024**3 == pytest.approx(4 * (act_layer + hidden))  # the embedding's: block 0's
+    # the last stage's final norm keeps its input, the loss the normed hidden and, for impl=materialized, fp32
+    # logits plus their compute-dtype copy
+    assert plan.stages[3].act_gib * 1024**3 == pytest.approx(act_layer + 2 * hidden + TOKENS * V_PAD * 8)
     assert plan.step_flops == (4 + 4 - 1) * (BLOCK_FLOPS + loss)
 
     vpp = estimate(cfg, [1, 1, 1, 1], vocab_over_pp=True)
@@ -141,9 +144,9 @@ def test_recompute_fp8_and_2to4_change_the_memory_estimate():
     base = stage1([])
     per_token = {"none": 4 * 64 + 3 * 64 + 3 * 64 + 3 * 128, "selective": 4 * 64 + 2 * 64 + 2 * 64 + 2 * 128}
     sel = stage1(["model.recompute=selective"])
-    assert sel.act_gib * 1024**3 == pytest.approx(3 * per_token["selective"] * TOKENS * 4)
+    assert sel.act_gib * 1024**3 == pytest.approx(3 * (per_token["selective"] + 64) * TOKENS * 4)  # + the output
     full = stage1(["model.recompute=full"])
-    assert full.act_gib * 1024**3 == pytest.approx((3 * 64 + per_token["none"]) * TOKENS * 4)
+    assert full.act_gib * 1024**3 == pytest.approx((3 * (64 + 64) + per_token["none"]) * TOKENS * 4)
     assert full.act_gib < sel.act_gib < base.act_gib
     fp8 = stage1(["train.fp8=tensorwise"])
     assert (fp8.state_gib - base.state_gib) * 1024**3 == pytest.approx(2 * BLOCK_PARAMS)

@@ -196,6 +196,10 @@ def estimate(
         act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
         if m.recompute == "full" and n:
             act += full_recompute_bytes(cfg, tokens, elem)
+        # one hidden per micro-batch in flight besides the blocks' own: a non-last stage's output (pipeline.InFlight
+        # holds it until that micro-batch's backward; megatron-core frees it once sent), the last stage's final
+        # norm input. The embedding's output is block 0's norm input, counted with the blocks.
+        act += tokens * h * elem * in_flight / (tp if p.sequence_parallel else 1)
         parts = []
         if shares is not None:
             parts.append(f"emb{100 * shares[r]:.0f}%")
@@ -205,7 +209,6 @@ def estimate(
         elif r == 0:
             parts.append("emb")
             params += v_pad * h / tp
-            act += tokens * h * elem * in_flight / (tp if p.sequence_parallel else 1)
         out_cols = 0
         if vocab_over_pp:
             parts.append(f"loss/{pp}")
