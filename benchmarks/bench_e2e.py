@@ -323,8 +323,8 @@ def run(a: argparse.Namespace) -> int:
                 r = time_case(name, cfg, a)
             except Exception as e:  # an OOM is itself a result; keep going when every rank got out of the case
                 traceback.print_exc()
-                bt._free()
                 failure = f"{type(e).__name__}: {e}"
+            # agreed before freeing: empty_cache can wait on a block whose NCCL work waits for a rank still inside
             agreed = comm.agree(failure is None, AGREE_S)
             if not agreed:
                 row = {"mode": name, "micro_batch_size": mb, "error": failure or "failed on another rank"}
@@ -336,6 +336,7 @@ def run(a: argparse.Namespace) -> int:
                         flush=True,
                     )
                     os._exit(1)  # torchrun stops the blocked ranks
+                bt._free()
                 if not again:
                     errors.append(row)
                 ok = False
