@@ -517,7 +517,7 @@ def format_table(report: dict) -> str:
             f"{c['mode']:<16} {c['micro_batch_size']:>3} {c['step_ms']:9.1f} {f('ratio_vs_anchor', '9.3f')} "
             f"{f('ratio_vs_dense', '9.3f')} {f('ratio_vs_titan_bf16', '10.3f')} {f('ratio_vs_titan_fp8', '9.3f')} "
             f"{mfu} {f('tokens_per_s_per_gpu', '9.0f')} {c['mem_gib']:8.2f}{'*' if _held(c) else ' '}"
-            f"{f('optim_state_gib', '8.2f')} {c['host_syncs_per_step']:6.0f}"
+            f"{f('optim_state_gib', '9.2f')} {c['host_syncs_per_step']:6.0f}"
         )
     held = [c for c in report["cases"] if "error" not in c and _held(c)]
     if held:
