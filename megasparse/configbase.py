@@ -54,7 +54,7 @@ def _union_error(value: Any, args: tuple, errors: list[str], path: str) -> str:
             return err
     forms = [_describe(a) for a in non_none] + (["null"] if type(None) in args else [])
     literals = [str(v) for a in non_none if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)]
-    close = difflib.get_close_matches(str(value), literals, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(str(value).lower(), literals, n=1, cutoff=0.5)  # AUTO: 'auto'
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"{path}={value!r}: use {', '.join(forms[:-1])} or {forms[-1]}{hint}"
 

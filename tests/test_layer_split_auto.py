@@ -22,6 +22,7 @@ PP2 = ["parallel.pp=2", "parallel.layer_split=auto"]
     [
         (["parallel.pp=2", "parallel.layer_split=autp"], "parallel.layer_split='autp': use a list, auto or null "
          "(did you mean 'auto'?)"),
+        (["parallel.pp=2", "parallel.layer_split=AUTO"], "use a list, auto or null (did you mean 'auto'?)"),
         (["parallel.layer_split=auto"], "parallel.layer_split=auto needs parallel.pp > 1"),
         ([*PP2, "parallel.virtual_stages=2"], "parallel.layer_split=auto: the planner models plain 1F1B stages"),
         ([*PP2, "chunkflow.enabled=true", "train.micro_batch_size=1"], "does not model chunkflow's chunks"),
