@@ -61,13 +61,30 @@ class SPRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+def _split_kwargs(cfg: Config) -> dict:
+    """megasparse's 1F1B layer split as megatron-core's first/last stage sizes (its middle stages are even), so the
+    anchor runs the layout it is compared with; ``{}`` for the even split. ``parallel.layer_split: auto`` must be
+    resolved (``build_gpt`` does). A split megatron-core cannot take this way (uneven middle stages, or per virtual
+    stage: 4gpu_8b32l_pp2v2_dp2's [7, 9, 7, 9]) leaves the anchor on its even split, with a warning."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    if p.pp == 1 or p.layer_split is None:
+        return {}
+    split = p.stage_layers(layers)
+    if p.virtual_stages > 1 or len(set(split[1:-1])) > 1:
+        import warnings
+
+        warnings.warn(f"mcore anchor: parallel.layer_split={split} not expressible; even split", stacklevel=3)
+        return {}
+    return {"num_layers_in_first_pipeline_stage": split[0], "num_layers_in_last_pipeline_stage": split[-1]}
+
+
 def transformer_config(cfg: Config, attention: str, dtype: torch.dtype = torch.bfloat16, recompute: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m, p = cfg.model, cfg.parallel
-    kw = {}
+    kw = _split_kwargs(cfg)
     if attention == "local" and recompute:
-        kw = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+        kw.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -132,6 +149,9 @@ def build_gpt(
         raise ValueError(f"attention={attention!r}: use local or sdpa")
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+    from megasparse.parallel.planner import resolve_layer_split
+
+    resolve_layer_split(cfg, vocab_padded, ps.get_data_parallel_world_size())  # the split megasparse's case builds
     tc = transformer_config(cfg, attention, dtype, recompute)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if attention == "sdpa":

@@ -226,6 +226,11 @@ def test_anchor_schedule_follows_megatron_lms_defaults() -> None:
     assert (plain.batch_p2p_comm, plain.overlap_p2p_comm) == (True, False)
     assert (inter.batch_p2p_comm, inter.overlap_p2p_comm) == (False, True)
     assert inter.virtual_pipeline_model_parallel_size == 2 and plain.virtual_pipeline_model_parallel_size is None
+    # a configured (or auto-resolved) 1F1B split reaches megatron-core: [17, 15] is not compared with its [16, 16]
+    split = load_config(None, ["parallel.pp=2", "model.num_layers=32", "parallel.layer_split=[17,15]"])
+    uneven = mcore_anchor.transformer_config(split, "sdpa", recompute=False)
+    assert (uneven.num_layers_in_first_pipeline_stage, uneven.num_layers_in_last_pipeline_stage) == (17, 15)
+    assert plain.num_layers_in_first_pipeline_stage is None
 
 
 def _auto_choices_on_ranks() -> list[str]:
