@@ -12,7 +12,7 @@ import torch
 from megasparse.chunkflow.config import chunkflow_line
 from megasparse.config import Config
 from megasparse.loss.config import resolve_impl
-from megasparse.metrics import param_counts, short_count
+from megasparse.metrics import device_mem_gib, param_counts, short_count
 
 __all__ = ["RunFacts", "format_banner"]
 
@@ -62,6 +62,24 @@ SPLIT_HINT_GAIN = 0.02
 """The planner's estimated step gain from a better layer split below which the banner says nothing."""
 
 
+AUTO_MEMORY_SHARE = 0.95
+"""Share of the GPU's memory above which the banner warns that ``layer_split: auto``'s split may not fit."""
+
+
+def _auto_memory_warning(choice, f: RunFacts) -> str:
+    """A warning, when the planner puts auto's fullest stage over ``AUTO_MEMORY_SHARE`` of this GPU while the even
+    split needs less: the first stage takes the extra layer (on 80 GB cards, every acceleration on the whole 8B at
+    seq 4096 is estimated at 76.5 GiB). A warning, not a fallback: a split chosen from each rank's own GPU could
+    differ between ranks."""
+    total = device_mem_gib(f.device) if f.device.type == "cuda" else None
+    if total is None or choice.split == choice.even or choice.peak_gib <= AUTO_MEMORY_SHARE * total:
+        return ""
+    return (
+        f"; WARNING: est. {choice.peak_gib:.1f} GiB on the fullest stage of this {total:.0f} GiB GPU "
+        f"(even: {choice.peak_gib - choice.more_gib:.1f}); parallel.layer_split=null if it runs out of memory"
+    )
+
+
 def _split_line(cfg: Config, f: RunFacts) -> str | None:
     """The pipeline line: what ``parallel.layer_split: auto`` resolved to; or, on an even 1F1B split, the planner's
     split when it balances the stages (the last one carries the output layer and its loss, worth blocks at a large
@@ -71,7 +89,8 @@ def _split_line(cfg: Config, f: RunFacts) -> str | None:
 
     p = cfg.parallel
     if p.auto_split is not None:
-        return f"layer split {p.auto_split.split} (auto: planner, {p.auto_split.describe()})"
+        line = f"layer split {p.auto_split.split} (auto: planner, {p.auto_split.describe()})"
+        return line + _auto_memory_warning(p.auto_split, f)
     if p.pp < 2 or p.virtual_stages > 1 or p.layer_split is not None or cfg.loss.vocab_over_pp:
         return None
     if cfg.chunkflow.enabled:

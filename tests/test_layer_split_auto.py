@@ -119,3 +119,25 @@ def test_pp2_gloo_run_builds_the_resolved_split_and_resumes_at_another(tmp_path)
     want = ranks[0]["losses"][1] if ranks[0]["pp_rank"] == 1 else ranks[1]["losses"][1]
     assert abs(loss - want) <= 1e-6 * abs(want), (loss, want)
     assert abs(ranks[0]["fresh"] - want) > 1e-4 * abs(want)  # what a resume that loaded nothing would have given
+
+
+def test_banner_warns_when_autos_split_may_not_fit_the_gpu(monkeypatch):
+    """Every acceleration on the whole 8B at seq 4096: auto's [17, 15] puts the planner's first stage near an 80 GB
+    card's size (the even split leaves room), so the banner warns on an H100 and stays quiet on an H200."""
+    import torch
+
+    import megasparse.banner as banner
+    from megasparse.banner import RunFacts
+
+    every = ["train.fp8=tensorwise", "sparsity.enabled=true", "filter.mode=collider", "loss.impl=cce"]
+    cfg = load_config(str(ROOT / "configs" / "gpu_8b_pp2_dp2.yaml"), every)
+    choice = resolve_layer_split(cfg, 128256, 2)
+    assert choice.split == [17, 15] and choice.peak_gib - choice.more_gib < 0.95 * 79.2 < choice.peak_gib
+    facts = RunFacts(4, 2, 128256, 128256, torch.device("cuda"), torch.bfloat16, 16, None, 0.0, True, None)
+    lines = {}
+    for card in (79.2, 139.8):
+        monkeypatch.setattr(banner, "device_mem_gib", lambda dev, card=card: card)
+        lines[card] = banner._split_line(cfg, facts)
+        assert lines[card].startswith("layer split [17, 15] (auto: planner"), lines[card]
+    assert "WARNING: est. 76." in lines[79.2] and "parallel.layer_split=null if it runs out" in lines[79.2]
+    assert "WARNING" not in lines[139.8]

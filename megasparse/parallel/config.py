@@ -22,6 +22,8 @@ class AutoSplit:
     """Estimated share of the pipeline step saved against the even split (0: the even split is the best)."""
     more_gib: float
     """Estimated change of the fullest stage's memory against the even split."""
+    peak_gib: float = 0.0
+    """The planner's estimate of the fullest stage's memory on this split (``megasparse plan``'s total GiB)."""
 
     def describe(self) -> str:
         if self.split == self.even:

@@ -302,8 +302,8 @@ def against_even(cfg: Config, split: list[int], vocab: int | None = None, dp: in
         return estimate(cfg, s, vop, vocab, dp, emb_shares=shares)
 
     a, b = plan(even), plan(split)
-    more = max(s.mem_gib for s in b.stages) - max(s.mem_gib for s in a.stages)
-    return AutoSplit(list(split), even, 1 - b.step_flops / a.step_flops, more)
+    peak = max(s.mem_gib for s in b.stages)
+    return AutoSplit(list(split), even, 1 - b.step_flops / a.step_flops, peak - max(s.mem_gib for s in a.stages), peak)
 
 
 def auto_split(cfg: Config, vocab: int | None = None, dp: int = 1) -> AutoSplit:
