@@ -152,3 +152,19 @@ def test_recompute_fp8_and_2to4_change_the_memory_estimate():
     assert (fp8.state_gib - base.state_gib) * 1024**3 == pytest.approx(2 * BLOCK_PARAMS)
     both = stage1(["train.fp8=tensorwise", "sparsity.enabled=true"])
     assert (both.state_gib - fp8.state_gib) * 1024**3 == pytest.approx(3 * 64 * 128)
+
+
+def test_compute_copies_of_fp32_masters_count_without_the_distributed_optimizer():
+    """bf16 compute with fp32 masters keeps a bf16 copy of every dense linear and of the output weight
+    (``ComputeCopies``); the distributed optimizer's parameters are those copies, and fp8's GEMMs keep e4m3 ones."""
+
+    def state(extra: list[str], stage: int) -> float:
+        cfg = load_config(None, TINY + ["train.dtype=bf16", *extra])
+        return estimate(cfg, [1, 1, 1, 1], vocab_over_pp=False).stages[stage].state_gib * 1024**3
+
+    assert state([], 1) == 16 * BLOCK_PARAMS + 2 * BLOCK_PARAMS
+    assert state([], 3) == 16 * (BLOCK_PARAMS + V_PAD * 64) + 2 * (BLOCK_PARAMS + V_PAD * 64)  # + the output's
+    assert state(["train.fp8=tensorwise"], 1) == 16 * BLOCK_PARAMS + 2 * BLOCK_PARAMS  # e4m3 W and Wᵀ, no bf16 copy
+    assert state(["sparsity.enabled=true"], 1) == pytest.approx(
+        18 * BLOCK_PARAMS - 2 * 3 * 64 * 128 + 3 * 64 * 128 * 3.25  # the FFN keeps mask + packed operands instead
+    )

@@ -102,14 +102,23 @@ def feature_bytes_per_layer(cfg: Config) -> float:
     """Weight-sized memory features add to one block on one TP rank: ``train.fp8``'s two e4m3 copies of each
     matmul weight (W for the forward, Wᵀ for the input gradient); 2:4's masks (one byte per FFN weight) and, without
     fp8, its cuSPARSELt operands of W and Wᵀ (half the values in bf16 plus metadata: ~1.125 bytes each; not measured
-    at 8B). On the whole 8B's first stage fp8 read 6.6 GiB over bf16 and fp8 with 2:4 9.3 (2026-11-27)."""
+    at 8B). On the whole 8B's first stage fp8 read 6.6 GiB over bf16 and fp8 with 2:4 9.3 (2026-11-27). Without the
+    distributed optimizer, the dense linears' compute-dtype copies of their fp32 masters (``_copies``)."""
     extra = 0.0
     ffn = 3 * cfg.model.hidden_size * cfg.model.ffn_size
     if cfg.train.fp8 != "off":
         extra += 2 * layer_params(cfg)
     if cfg.sparsity.enabled:
         extra += ffn * (1 if cfg.train.fp8 != "off" else 1 + 2 * 1.125)
+    if _copies(cfg) and cfg.train.fp8 == "off":  # the dense linears' compute copies (fp8's and 2:4's GEMMs keep
+        extra += (layer_params(cfg) - (ffn if cfg.sparsity.enabled else 0)) * _elem(cfg)  # their own operands)
     return extra / cfg.parallel.tp
+
+
+def _copies(cfg: Config) -> bool:
+    """Whether the linears and the output layer keep compute-dtype copies of fp32 masters (``ComputeCopies``,
+    decision 0009): without the distributed optimizer (whose parameters are the compute copies) below fp32."""
+    return not cfg.parallel.distributed_optimizer and _elem(cfg) < 4
 
 
 @dataclass
@@ -209,7 +218,7 @@ def estimate(
         elif r == 0:
             parts.append("emb")
             params += v_pad * h / tp
-        out_cols = 0
+        out_cols, copies = 0, 0.0
         if vocab_over_pp:
             parts.append(f"loss/{pp}")
             out_cols = v_pad // shards
@@ -218,13 +227,15 @@ def estimate(
             out_cols = v_pad // tp
         if out_cols:
             params += out_cols * h
+            if _copies(cfg):  # the output weight's compute copy
+                copies += out_cols * h * elem
             flops += loss_flops(cfg, tokens, out_cols)
             act += tokens * h * elem  # the (gathered) final hidden the loss keeps for its backward
             # materialised logits (impl=materialized/mcore, or auto under its budget): [tokens, V_local] fp32 +
             # compute dtype
             if cfg.loss.resolved_impl(tokens, out_cols) in ("materialized", "mcore"):
                 act += tokens * out_cols * (4 + elem)
-        state = (params * state_bytes(cfg, dp) + n * feature_bytes_per_layer(cfg)) / GIB
+        state = (params * state_bytes(cfg, dp) + n * feature_bytes_per_layer(cfg) + copies) / GIB
         stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, state, act / GIB))
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
     return Plan(name, list(split), vocab_over_pp, stages, num_mb, shares)
