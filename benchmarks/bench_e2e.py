@@ -329,7 +329,10 @@ def run(a: argparse.Namespace) -> int:
             if not agreed:
                 row = {"mode": name, "micro_batch_size": mb, "error": failure or "failed on another rank"}
                 if agreed is None:  # a rank is still in the case, blocked in a collective this one left: stop
-                    write_report(out, report, old, mb_cases + errors + [row], partial=True)
+                    rank = dist.get_rank()
+                    if rank:  # rank 0 may be the blocked one: this rank's rows, beside its file
+                        out = out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
+                    write_report(out, report, old, mb_cases + errors + [row], partial=True, rank0_only=False)
                     print(
                         f"bench_e2e: {name} failed on rank {dist.get_rank()} ({failure}) and a rank is still "
                         f"inside it after {AGREE_S:.0f} s; stopping the call (rows so far: {out})",
@@ -398,17 +401,20 @@ def merge_reports(old: dict, new: dict) -> dict:
     return rep
 
 
-def write_report(out: Path, report: dict, old: dict | None, pending: list[dict], partial: bool) -> None:
-    """Rank 0 writes the JSON: this call's rows (plus ``pending``, the current micro-batch's so far), merged into
-    ``old`` (``--append``: same device, rows of this call replace equal (mode, micro-batch) rows), with the ratios
-    against torchtitan and the table. Written after every case (``partial``) and at the end."""
+def write_report(
+    out: Path, report: dict, old: dict | None, pending: list[dict], partial: bool, rank0_only: bool = True
+) -> None:
+    """Rank 0 (or, ``rank0_only`` false, the caller) writes the JSON: this call's rows (plus ``pending``, the
+    current micro-batch's so far), merged into ``old`` (``--append``: same device, rows of this call replace equal
+    (mode, micro-batch) rows), with the ratios against torchtitan and the table. Written after every case
+    (``partial``) and at the end."""
     now = [{k: v for k, v in c.items() if k != "again"} for c in pending if not c.get("again")]
     rep = {**report, "cases": report["cases"] + now, "partial": partial}
     if old is not None and old.get("device") == rep["device"]:
         rep = merge_reports(old, rep)
     titan_ratios(rep["cases"])
     rep["table"] = format_table(rep)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if not rank0_only or not dist.is_initialized() or dist.get_rank() == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rep, indent=1))
         if not partial:

@@ -473,6 +473,8 @@ def test_a_case_failing_on_one_rank_is_an_error_row_on_all_or_stops_the_call(tmp
     """An out-of-memory on one rank: when every rank got out of the case, all record it and the next mode runs; when
     a rank is still inside it (blocked in a collective), the call stops after ``AGREE_S`` with the rows so far
     instead of waiting out the device time."""
+    import json
+
     from distributed import run_distributed
 
     r0, r1 = run_distributed(_e2e_one_rank_fails, 2, str(tmp_path / "a"), False)
@@ -484,6 +486,8 @@ def test_a_case_failing_on_one_rank_is_an_error_row_on_all_or_stops_the_call(tmp
     assert r0["rc"] == "exited 1"  # rank 0, out late, finds the next case's peer gone and stops too
     rows = {c["mode"]: c for c in r0["report"]["cases"]}
     assert r0["report"]["partial"] is True and rows["dense"]["step_ms"] > 0 and "error" in rows["fp8"]
+    beside = json.loads((tmp_path / "b" / "e2e_2gpu_8b_dp2.rank1.json").read_text())  # rank 1's own rows
+    assert "CUDA out of memory (stand-in)" in {c["mode"]: c for c in beside["cases"]}["fp8"]["error"]
 
 
 def test_live_cuda_tensors_skips_tensors_without_memory_of_their_own() -> None:
