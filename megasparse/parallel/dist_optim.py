@@ -24,6 +24,7 @@ of its AdamW, counts their step and gathers them like the rest. The caller sees 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -38,6 +39,17 @@ __all__ = ["DataParallelOptimizer", "DistributedAdamW"]
 
 Groups = list[tuple[list[nn.Parameter], float]]
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")  # how a run steps, not what a checkpoint holds
+
+
+def _wait_all(works: list) -> None:
+    """Complete every pending all-gather of a finished optimizer (its ``works`` list, emptied of handles)."""
+    for k, w in enumerate(works):
+        if w is not None:
+            try:
+                w.wait()
+            except Exception:  # noqa: BLE001 - a group already torn down: nothing left to hold
+                pass
+            works[k] = None
 
 
 @dataclass
@@ -91,6 +103,9 @@ class DistributedAdamW:
         decay = {id(p): k for k, (ps, _) in enumerate(groups) for p in ps}
         pieces: list[list[torch.Tensor]] = [[] for _ in groups]
         self.masters, self.moments, self.works = [], [], []
+        # gathers still in flight when the optimizer goes (a caller of train_step that drops the trainer; train()
+        # waits at its end): waited for then, else NCCL keeps their tensors, a stage's parameters, for good
+        weakref.finalize(self, _wait_all, self.works).atexit = False
         self.pieces: list[list[tuple[int, int, int, torch.Tensor]]] = []  # per bucket: (param idx, s, e, master view)
         init_state: dict[torch.Tensor, dict] = {}
         for b in buckets.buckets:
