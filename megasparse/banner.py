@@ -96,7 +96,7 @@ def _split_line(cfg: Config, f: RunFacts) -> str | None:
     if cfg.chunkflow.enabled:
         return None
     try:
-        best = planner.against_even(cfg, planner.best_split(cfg, False, f.vocab, f.dp), f.vocab, f.dp)
+        best = planner.auto_split(cfg, f.vocab, f.dp)  # what auto would pick (vocab_over_pp returned above)
     except (ConfigError, ValueError, ZeroDivisionError):  # a hint never stops a run from starting
         return None
     if best.split == best.even or best.gain < SPLIT_HINT_GAIN:

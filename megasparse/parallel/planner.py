@@ -80,22 +80,17 @@ def act_elems_per_token(cfg: Config, recompute: str | None = None) -> tuple[floa
     return 2 * h, 2 * h, 3 * q + 3 * kv + 3 * f
 
 
-def act_bytes_per_layer(cfg: Config, tokens: int, elem: int) -> float:
-    """Activations one block saves for backward for one micro-batch, on one TP rank; under ``model.recompute=full``
-    only the block's input (``full_recompute_bytes`` adds the one block the backward rebuilds at a time)."""
+def act_bytes_per_layer(cfg: Config, tokens: int, elem: int, recompute: str | None = None) -> float:
+    """Activations one block saves for backward for one micro-batch, on one TP rank, under ``recompute`` (default:
+    ``model.recompute``); ``full`` keeps only the block's input (the estimate adds the one block the backward
+    rebuilds at a time: this with ``recompute="none"``)."""
     t, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel
     seq_shards = t if sp else 1
-    if cfg.model.recompute == "full":
+    recompute = recompute or cfg.model.recompute
+    if recompute == "full":
         return cfg.model.hidden_size / seq_shards * tokens * elem
-    residual, whole, split = act_elems_per_token(cfg)
+    residual, whole, split = act_elems_per_token(cfg, recompute)
     return (residual / seq_shards + whole + split / t) * tokens * elem
-
-
-def full_recompute_bytes(cfg: Config, tokens: int, elem: int) -> float:
-    """Under full recompute, the one block whose activations the backward holds while it runs it again."""
-    t, sp = cfg.parallel.tp, cfg.parallel.sequence_parallel
-    residual, whole, split = act_elems_per_token(cfg, "none")
-    return (residual / (t if sp else 1) + whole + split / t) * tokens * elem
 
 
 def feature_bytes_per_layer(cfg: Config) -> float:
@@ -203,8 +198,8 @@ def estimate(
         # 1F1B keeps pp − r micro-batches in flight; vocab_over_pp's lock-step schedule 2(pp − 1 − r) + 1
         in_flight = min(2 * (pp - 1 - r) + 1 if vocab_over_pp else pp - r, num_mb)
         act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
-        if m.recompute == "full" and n:
-            act += full_recompute_bytes(cfg, tokens, elem)
+        if m.recompute == "full" and n:  # the block the backward is running again
+            act += act_bytes_per_layer(cfg, tokens, elem, "none")
         # one hidden per micro-batch in flight besides the blocks' own: a non-last stage's output (pipeline.InFlight
         # holds it until that micro-batch's backward; megatron-core frees it once sent), the last stage's final
         # norm input. The embedding's output is block 0's norm input, counted with the blocks.
