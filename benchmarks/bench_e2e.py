@@ -333,9 +333,10 @@ def run(a: argparse.Namespace) -> int:
                     if rank:  # rank 0 may be the blocked one: this rank's rows, beside its file
                         out = out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
                     write_report(out, report, old, mb_cases + errors + [row], partial=True, rank0_only=False)
+                    here = f"failed on rank {rank} ({failure})" if failure else f"done on rank {rank}"
                     print(
-                        f"bench_e2e: {name} failed on rank {dist.get_rank()} ({failure}) and a rank is still "
-                        f"inside it after {AGREE_S:.0f} s; stopping the call (rows so far: {out})",
+                        f"bench_e2e: {name} {here} and a rank is still inside it after {AGREE_S:.0f} s; stopping the "
+                        f"call (rows so far: {out})",
                         flush=True,
                     )
                     os._exit(1)  # torchrun stops the blocked ranks
@@ -500,8 +501,8 @@ def settle_ratios(mb_cases: list[dict]) -> dict:
 
 
 def _held(case: dict) -> bool:
-    """Whether a row's peak memory left out over 1 GiB that earlier cases held (``leftover_gib``)."""
-    return (case.get("leftover_gib") or 0.0) > 1.0
+    """Whether a row's peak memory left out what earlier cases held (``leftover_gib``), past the note's threshold."""
+    return (case.get("leftover_gib") or 0.0) > bt.LEFTOVER_NOTE_GIB
 
 
 def format_table(report: dict) -> str:

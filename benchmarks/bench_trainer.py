@@ -68,6 +68,10 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+LEFTOVER_NOTE_GIB = 1.0
+"""Memory earlier cases left allocated above which a case names what holds it and its row is marked."""
+
+
 def live_cuda_tensors(top: int = 6) -> str:
     """The largest CUDA tensors the garbage collector can still reach, and what holds each: a whole-8B dense case
     leaves about its stage's bf16 weights allocated into the next case (reports/2026-11-27-4gpu-split-seq8192.md)."""
@@ -229,7 +233,7 @@ def run_case(cfg: Config, impl: str, warmup: int, steps: int, profile: bool, aft
     _free()
     # what earlier cases left allocated (megatron-core's anchor leaves ~10 GiB behind on TinyLlama): not this case's
     leftover = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    if leftover > 1.0:
+    if leftover > LEFTOVER_NOTE_GIB:
         print(
             f"rank {dist.get_rank() if dist.is_initialized() else 0}: {leftover:.2f} GiB left allocated by earlier "
             f"cases; {live_cuda_tensors()}",
