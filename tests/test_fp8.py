@@ -65,6 +65,7 @@ def _check() -> None:
     _check_masked(quantize_triton)
     _check_x_amax_reuse(quantize_triton)
     _check_tiles(quantize_triton)
+    _check_saved_input(run_distributed(_layers_with_saved_input, 1)[0])  # the Triton casts, xᵀ padded to 48
 
 
 def _check_tiles(quantize_triton) -> None:
@@ -128,6 +129,104 @@ def _layers_with_reused_amax() -> dict:
     finally:
         cast.amax_triton = gemm_mod.amax_triton = real
     return out
+
+
+def _layers_with_saved_input() -> dict:
+    """Column and row layers, tensorwise fp8 with the fp8 weight gradient, with the input kept in bf16-or-fp32 and as
+    the forward's e4m3 transpose (decision 1245): per layer and per way, the dense backward's (dW, dx), the compact
+    backward's (dW, kept dx) for 23 of 39 rows, and the bytes and dtypes the layer's autograd node saved."""
+    from megasparse.ops.compact import CompactGrad, KeepMeta
+    from megasparse.parallel import state
+    from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    state.init(1, 1, False, "gloo")
+    keep = torch.sort(torch.randperm(39, generator=torch.Generator().manual_seed(2))[:23]).values  # 23: not /16
+    out = {}
+    for cls, (i, o) in ((ColumnParallelLinear, (24, [40])), (RowParallelLinear, (40, 24))):
+        for save in (False, True):
+            lin = cls(i, o, name="lin", init_std=0.2, seed=5, device="cpu", pg=state.groups())
+            lin.gemm = Fp8Gemm(lin.weight, "tensorwise", wgrad_fp8=True, save_input=save)
+            x = (torch.randn(13, 3, i, generator=torch.Generator().manual_seed(1)) * 7).requires_grad_()
+            saved: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t, keep=saved: keep.append(t) or t, lambda t: t):
+                y = lin(x)
+            gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+            dense = torch.autograd.grad(y, (lin.weight, x), gy, retain_graph=True)
+            gk = gy.reshape(39, -1)[keep]
+            y.backward(CompactGrad(gk, KeepMeta(keep, 39, 3), y.shape))
+            x_bytes = [t.numel() * t.element_size() for t in saved if t.data_ptr() != lin.gemm.w8.data_ptr()]
+            out[(cls.__name__, save)] = {
+                "dense": dense,
+                "compact": (lin.weight.grad, x.grad.reshape(39, i)[keep]),
+                "saved": (sum(x_bytes), sorted({str(t.dtype) for t in saved})),
+                "x_bytes": x.numel() * x.element_size(),
+            }
+    return out
+
+
+def _check_saved_input(results: dict) -> None:
+    """The e4m3 transpose kept from the forward gives the weight gradient the bits the backward's own cast gave
+    (dense path: one scale, the same x), the compact backward's kept rows the same gradients (the whole input's
+    power-of-two scale changes no kept value's rounding here), and the layer saves 1 byte per input element."""
+    for name in ("ColumnParallelLinear", "RowParallelLinear"):
+        plain, kept = results[(name, False)], results[(name, True)]
+        assert torch.equal(kept["dense"][0], plain["dense"][0]) and torch.equal(kept["dense"][1], plain["dense"][1])
+        assert kept["dense"][0].abs().sum() > 0, name
+        assert rel(kept["compact"][0], plain["compact"][0]) < 1e-6, name
+        assert torch.equal(kept["compact"][1], plain["compact"][1]), name
+        assert plain["saved"][0] == plain["x_bytes"], (name, plain["saved"])
+        assert kept["saved"][0] < plain["x_bytes"] / 3, (name, kept["saved"])  # fp32 x: 4 bytes -> 1 (+ padding)
+        assert "torch.float8_e4m3fn" in kept["saved"][1], (name, kept["saved"])
+
+
+def test_saved_e4m3_input_gives_the_weight_gradient_the_same_bits() -> None:
+    _check_saved_input(run_distributed(_layers_with_saved_input, 1)[0])
+
+
+def _memory_levers(steps: int) -> dict:
+    """Tensorwise fp8 training on the built-in corpus, with and without collider: as shipped (qkv, fc1 and fc2 keep
+    e4m3 inputs), with every input kept as it is (``SAVE_INPUTS`` emptied) and with Wᵀ made per backward."""
+    from unittest import mock
+
+    import megasparse.fp8.converter as conv
+
+    base = [o for o in tiny(**TRAINING) if not o.startswith(("data.prefix", "model.vocab_size"))]
+    base += [f"train.steps={steps}", "train.fp8=tensorwise"]
+    out = {}
+    collider = ["filter.mode=collider", "filter.scorer=random", "filter.keep_ratio=0.6"]
+    for name, extra in (("dense", []), ("collider", collider)):
+        out[name, "shipped"] = _train(base + extra, steps)
+        with mock.patch.object(conv, "SAVE_INPUTS", ()):
+            out[name, "inputs kept"] = _train(base + extra, steps)
+        out[name, "per-use transpose"] = _train(base + extra + ["train.fp8_keep_transpose=false"], steps)
+    return out
+
+
+def test_fp8_memory_levers_train_as_without_them() -> None:
+    """Decision 1245's two memory levers change no bit of the dense step (the e4m3 xᵀ and Wᵀ are the bytes the
+    backward's casts made before) and, under collider, the kept rows' weight gradients only where a value falls
+    below e4m3's range under the whole input's scale instead of the kept rows' own (within 1e-5 after 3 steps)."""
+    r = run_distributed(_memory_levers, 1, 3)[0]
+
+    def worst(a: dict, b: dict) -> float:
+        return max(rel(a["weights"][k], b["weights"][k]) for k in b["weights"])
+
+    for mode in ("dense", "collider"):
+        shipped, kept, per_use = (r[mode, k] for k in ("shipped", "inputs kept", "per-use transpose"))
+        assert per_use["losses"] == shipped["losses"] and worst(per_use, shipped) == 0.0, mode
+        if mode == "dense":
+            assert shipped["losses"] == kept["losses"] and worst(shipped, kept) == 0.0
+        else:
+            assert worst(shipped, kept) < 1e-5, worst(shipped, kept)
+            assert abs(shipped["losses"][-1] / kept["losses"][-1] - 1) < 1e-5
+
+
+def test_keep_transpose_false_is_tensorwise_only() -> None:
+    from megasparse.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train.fp8_keep_transpose=false needs train.fp8=tensorwise") as e:
+        load_config(None, ["train.fp8=rowwise", "train.fp8_keep_transpose=false"]).validate(1, devices=False)
+    assert "\n" not in str(e.value)
 
 
 def _check_x_amax_reuse(quantize_triton) -> None:

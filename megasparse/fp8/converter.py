@@ -22,6 +22,17 @@ from megasparse.parallel.layers import DENSE
 __all__ = ["Fp8Converter", "fp8_converter", "fp8_from_config"]
 
 
+SAVE_INPUTS = ("qkv", "fc1", "fc2")
+"""Linears whose bf16 input only they keep (decision 1245): the norms' outputs, and the SwiGLU's unless selective
+recompute rebuilds it from fc1's output (``fp8_from_config`` drops fc2 then). proj's input is the attention's
+output, which the attention keeps for its own backward anyway: an e4m3 copy would add bytes, not save them."""
+
+
+def _kind(name: str) -> str:
+    """``layers.3.mlp.fc1.weight`` → ``fc1``."""
+    return name.rsplit(".", 2)[-2]
+
+
 def _log0(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(msg, flush=True)
@@ -30,8 +41,19 @@ def _log0(msg: str) -> None:
 class Fp8Converter:
     """Installs ``Fp8Gemm`` on a model's block linears and refreshes their fp8 weight copies after each step."""
 
-    def __init__(self, recipe: Recipe, wgrad_fp8: bool = True, min_mnk: float = 0.0, rows: int = 0) -> None:
-        self.recipe, self.wgrad_fp8 = recipe, wgrad_fp8
+    def __init__(
+        self,
+        recipe: Recipe,
+        wgrad_fp8: bool = True,
+        min_mnk: float = 0.0,
+        rows: int = 0,
+        save_inputs: tuple[str, ...] = SAVE_INPUTS,
+        keep_transpose: bool = True,
+    ) -> None:
+        self.recipe, self.wgrad_fp8, self.keep_transpose = recipe, wgrad_fp8, keep_transpose
+        self.save_inputs = save_inputs
+        """The kinds of linear (``qkv``, ``fc1``, ...) that keep their input for the weight gradient as the forward's
+        e4m3 transpose instead of in bf16 (decision 1245): those whose bf16 input nothing else keeps."""
         self.min_mnk, self.rows = min_mnk, rows
         """A CUDA linear runs fp8 when ``rows`` (its smallest GEMM's token rows) · out · in ≥ ``min_mnk``."""
         self.gemms: dict[str, Fp8Gemm] = {}
@@ -54,11 +76,16 @@ class Fp8Converter:
                 self.skipped[name] = f"[{n}, {k}] is not a multiple of 16 (torch._scaled_mm)"
             elif lin.weight.is_cuda and self.rows * n * k < self.min_mnk:
                 self.skipped[name] = f"GEMMs below train.fp8_min_mnk={self.min_mnk:.3g}"
-            elif masked is not None:
-                lin.gemm.fp8 = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8, source=masked)
-                self.on_2to4.append(name)
             else:
-                lin.gemm = self.gemms[name] = Fp8Gemm(lin.weight, self.recipe, self.wgrad_fp8)
+                save = _kind(name) in self.save_inputs
+                g = self.gemms[name] = Fp8Gemm(
+                    lin.weight, self.recipe, self.wgrad_fp8, masked, save_input=save, keep_transpose=self.keep_transpose
+                )
+                if masked is not None:
+                    lin.gemm.fp8 = g
+                    self.on_2to4.append(name)
+                else:
+                    lin.gemm = g
         self.refresh()
         return self.gemms
 
@@ -75,7 +102,7 @@ class Fp8Converter:
         return None
 
     def banner(self, device: torch.device) -> str:
-        kinds = sorted({n.rsplit(".", 2)[-2] for n in self.gemms})
+        kinds = sorted({_kind(n) for n in self.gemms})
         how = (
             "torch._scaled_mm"
             if device.type == "cuda"
@@ -83,6 +110,11 @@ class Fp8Converter:
         )
         grads = f"e4m3 weights/activations, e5m2 gradients, weight gradient in {'fp8' if self.wgrad_fp8 else 'bf16'}"
         line = f"fp8: {self.recipe} scaling ({grads}) on {len(self.gemms)} GEMMs ({', '.join(kinds)}), {how}"
+        saving = sorted({_kind(n) for n, g in self.gemms.items() if g.save_input})
+        if saving:
+            line += f"; {', '.join(saving)} keep their inputs in e4m3 for the weight gradient"
+        if not self.keep_transpose:
+            line += "; Wᵀ transposed at each backward (train.fp8_keep_transpose=false)"
         if self.on_2to4:
             line += (
                 f"; the {len(self.on_2to4)} 2:4 ones on W ⊙ M from W and its mask (masks and recipe kept; no "
@@ -101,7 +133,15 @@ def fp8_from_config(cfg) -> Fp8Converter | None:
     f = cfg.filter
     kept = f.keep_ratio if f.mode == "collider" else 1.0
     rows = int(cfg.model.seq_length * cfg.train.micro_batch_size * kept)  # a TP region's GEMMs see the whole sequence
-    return Fp8Converter(cfg.train.fp8, wgrad_fp8=cfg.train.fp8_wgrad, min_mnk=cfg.train.fp8_min_mnk, rows=rows)
+    save = SAVE_INPUTS if cfg.model.recompute != "selective" else tuple(k for k in SAVE_INPUTS if k != "fc2")
+    return Fp8Converter(
+        cfg.train.fp8,
+        wgrad_fp8=cfg.train.fp8_wgrad,
+        min_mnk=cfg.train.fp8_min_mnk,
+        rows=rows,
+        save_inputs=save,
+        keep_transpose=cfg.train.fp8_keep_transpose,
+    )
 
 
 def fp8_converter(cfg, model: torch.nn.Module, device: torch.device) -> Fp8Converter | None:

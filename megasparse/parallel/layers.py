@@ -17,7 +17,7 @@ import zlib
 import torch
 from torch import nn
 
-from megasparse.ops.compact import CompactGrad, rows_of
+from megasparse.ops.compact import CompactGrad, KeepMeta, rows_of
 from megasparse.ops.wgrad import accumulate_mm, grad_buffer
 from megasparse.parallel import comm, rows
 from megasparse.parallel.groups import ProcessGroups
@@ -26,11 +26,17 @@ from megasparse.parallel.groups import ProcessGroups
 class DenseGemm:
     """The three GEMMs of a linear layer; the 2:4 sparse FFN swaps in its own."""
 
-    def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def fwd(self, x2d: torch.Tensor, w: torch.Tensor, for_wgrad: bool = False) -> torch.Tensor:
+        """``for_wgrad``: a weight gradient of this input follows (fp8 then keeps its cast of it: decision 1245)."""
         return x2d @ w.t()
 
     def dgrad(self, g2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return g2d @ w
+
+    def take_saved_input(self) -> None:
+        """What the layer saves for the weight gradient instead of its input: nothing here, the input itself (fp8
+        keeps its e4m3 transpose, ``fp8/gemm.py``); a gemm that returns something also has ``wgrad_input``."""
+        return None
 
     def take_x_amax(self) -> None:
         """What the last ``fwd`` keeps for the weight gradient's cast of the same input: nothing here (fp8 keeps
@@ -131,21 +137,44 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _save_input(ctx, gemm, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Save (x, w), or (what the gemm keeps of x instead, w): fp8's e4m3 xᵀ and scale (decision 1245)."""
+    kept = gemm.take_saved_input()
+    ctx.n_kept = 0 if kept is None else len(kept)
+    if kept is None:
+        ctx.save_for_backward(x, w)
+    else:
+        ctx.save_for_backward(*kept, w)
+
+
+def _saved_input(ctx) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]:
+    """(x or the gemm's tuple kept in its place, w) from ``_save_input``."""
+    *xs, w = ctx.saved_tensors
+    return (xs[0] if ctx.n_kept == 0 else tuple(xs)), w
+
+
+def _wgrad_rows(ctx, gemm, x, meta: KeepMeta | None = None):
+    """The weight gradient's input: x's rows (all, or a compact backward's kept ones), or the gemm's own kept form."""
+    if ctx.n_kept:
+        return gemm.wgrad_input(x, None if meta is None else meta.idx)
+    return _flat(x) if meta is None else rows_of(x, meta)
+
+
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str, pg: ProcessGroups):
         group = pg.tp_group
         total = comm.all_gather(x, group, "tp", dim=0, region=f"{name}.sp_gather") if sp else x
         w = weight.to(dtype) if wc is None else wc
-        y = gemm.fwd(_flat(total), w).view(*total.shape[:-1], w.shape[0])
-        ctx.save_for_backward(total, w)
+        y = gemm.fwd(_flat(total), w, ctx.needs_input_grad[1]).view(*total.shape[:-1], w.shape[0])
+        _save_input(ctx, gemm, total, w)
         ctx.cfg = (sp, gemm, name, x.shape, weight, pg)
         ctx.x_amax = gemm.take_x_amax()  # the whole-input weight gradient's cast reuses it
         return y
 
     @staticmethod
     def backward(ctx, g):
-        total, w = ctx.saved_tensors
+        total, w = _saved_input(ctx)
         sp, gemm, name, x_shape, weight, pg = ctx.cfg
         group = pg.tp_group
         region = f"{name}.dgrad"
@@ -156,7 +185,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
                 dx, meta_out, work = rows.reduce_scatter_rows(dx, meta, group, pg.tp, pg.tp_rank, region)
             else:
                 meta_out, work = meta, comm.all_reduce(dx, group, "tp", region=region, async_op=True)
-            dw = weight_grad(weight, gemm, g.rows, rows_of(total, meta))  # overlaps the dgrad collective
+            dw = weight_grad(weight, gemm, g.rows, _wgrad_rows(ctx, gemm, total, meta))  # overlaps the collective
             if work is not None:
                 work.wait()
             return CompactGrad(dx, meta_out, x_shape), dw, None, None, None, None, None, None
@@ -166,7 +195,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             dx, work = comm.reduce_scatter(dx, group, "tp", region=region, async_op=True)
         else:
             work = comm.all_reduce(dx, group, "tp", region=region, async_op=True)
-        dw = weight_grad(weight, gemm, g2, _flat(total), ctx.x_amax)
+        dw = weight_grad(weight, gemm, g2, _wgrad_rows(ctx, gemm, total), ctx.x_amax)
         if work is not None:
             work.wait()
         return dx, dw, None, None, None, None, None, None
@@ -177,33 +206,33 @@ class RowParallelLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str, pg: ProcessGroups):
         group = pg.tp_group
         w = weight.to(dtype) if wc is None else wc
-        y = gemm.fwd(_flat(x), w).view(*x.shape[:-1], w.shape[0])
+        y = gemm.fwd(_flat(x), w, ctx.needs_input_grad[1]).view(*x.shape[:-1], w.shape[0])
         if sp:
             y = comm.reduce_scatter(y, group, "tp", region=f"{name}.sp_scatter")
         else:
             comm.all_reduce(y, group, "tp", region=f"{name}.out")
-        ctx.save_for_backward(x, w)
-        ctx.cfg = (sp, gemm, name, weight, pg)
+        _save_input(ctx, gemm, x, w)
+        ctx.cfg = (sp, gemm, name, weight, pg, x.shape)
         ctx.x_amax = gemm.take_x_amax()
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        sp, gemm, name, weight, pg = ctx.cfg
+        x, w = _saved_input(ctx)
+        sp, gemm, name, weight, pg, x_shape = ctx.cfg
         group = pg.tp_group
         if isinstance(g, CompactGrad):
             gr, meta = g.rows, g.meta
             if sp:
                 gr, meta = rows.gather_rows(gr, meta, group, pg.tp, pg.tp_rank, f"{name}.sp_gather")
             dx = gemm.dgrad(gr, w)
-            dw = weight_grad(weight, gemm, gr, rows_of(x, meta))
-            return CompactGrad(dx, meta, x.shape), dw, None, None, None, None, None, None
+            dw = weight_grad(weight, gemm, gr, _wgrad_rows(ctx, gemm, x, meta))
+            return CompactGrad(dx, meta, x_shape), dw, None, None, None, None, None, None
         if sp:
             g = comm.all_gather(g, group, "tp", dim=0, region=f"{name}.sp_gather")
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
-        dw = weight_grad(weight, gemm, g2, _flat(x), ctx.x_amax)
+        dw = weight_grad(weight, gemm, g2, _wgrad_rows(ctx, gemm, x), ctx.x_amax)
         return dx, dw, None, None, None, None, None, None
 
 

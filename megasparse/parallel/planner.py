@@ -68,16 +68,20 @@ def act_elems_per_token(cfg: Config, recompute: str | None = None) -> tuple[floa
     """Elements one block saves for its backward per token, as (sequence-sharded under SP, whole on every TP rank,
     split over TP), by what each op keeps: the two norms' inputs; the norms' outputs, which the column-parallel qkv
     and fc1 keep gathered; qkv, RoPE's rotated q and k, the attention output, fc1's [gate | up] and the SwiGLU
-    output. ``model.recompute=selective`` drops the rotated q/k and the SwiGLU output (decision 0012).
+    output. ``model.recompute=selective`` drops the rotated q/k and the SwiGLU output (decision 0012). Tensorwise
+    fp8 keeps qkv's, fc1's and fc2's inputs in e4m3 (decision 1245).
 
     Checked on the whole Llama-3-8B at PP 2 × DP 2 on H200s (2026-11-27, first stage, state subtracted): 18.5 GiB
     at seq 4096 (this count: 17.5 plus the embedding's), selective 9.2 GiB less at seq 8192 (this count: 9.5)."""
     m = cfg.model
     h, f = m.hidden_size, m.ffn_size
     q, kv = m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
+    # tensorwise fp8 with its fp8 weight gradient: qkv, fc1 and (without selective) fc2 keep their inputs as one
+    # byte per element, half a compute-dtype element (decision 1245)
+    half = 0.5 if cfg.train.fp8 == "tensorwise" and cfg.train.fp8_wgrad else 1.0
     if (recompute or m.recompute) == "selective":
-        return 2 * h, 2 * h, 2 * q + 2 * kv + 2 * f
-    return 2 * h, 2 * h, 3 * q + 3 * kv + 3 * f
+        return 2 * h, 2 * h * half, 2 * q + 2 * kv + 2 * f
+    return 2 * h, 2 * h * half, 3 * q + 3 * kv + (2 + half) * f
 
 
 def act_bytes_per_layer(cfg: Config, tokens: int, elem: int, recompute: str | None = None) -> float:
@@ -101,8 +105,8 @@ def feature_bytes_per_layer(cfg: Config) -> float:
     distributed optimizer, the dense linears' compute-dtype copies of their fp32 masters (``_copies``)."""
     extra = 0.0
     ffn = 3 * cfg.model.hidden_size * cfg.model.ffn_size
-    if cfg.train.fp8 != "off":
-        extra += 2 * layer_params(cfg)
+    if cfg.train.fp8 != "off":  # W and Wᵀ, or W alone with train.fp8_keep_transpose=false (decision 1245)
+        extra += (2 if cfg.train.fp8_keep_transpose else 1) * layer_params(cfg)
     if cfg.sparsity.enabled:
         extra += ffn * (1 if cfg.train.fp8 != "off" else 1 + 2 * 1.125)
     if _copies(cfg) and cfg.train.fp8 == "off":  # the dense linears' compute copies (fp8's and 2:4's GEMMs keep

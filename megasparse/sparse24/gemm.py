@@ -146,9 +146,9 @@ class Sparse24Gemm:
         st.refresh(wt)
         return (self.name, self.use_sparse, st.mask_version, at(st.packed), at(st.packed_t), at(st._masked), at(wt))
 
-    def fwd(self, x2d: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def fwd(self, x2d: torch.Tensor, w: torch.Tensor, for_wgrad: bool = False) -> torch.Tensor:
         if self.fp8 is not None:
-            return self.fp8.fwd(x2d, w)
+            return self.fp8.fwd(x2d, w, for_wgrad)
         st, wt = self._operands()
         return x2d @ w.t() if st is None else sparse24_forward(x2d, wt, st)
 
@@ -159,6 +159,14 @@ class Sparse24Gemm:
         if st is None:
             return g2d @ w
         return sparse24_backward(g2d, None, wt, st, self.mvue, need_input_grad=True, need_weight_grad=False)[0]
+
+    def take_saved_input(self) -> tuple[torch.Tensor, ...] | None:
+        """fp8's e4m3 input for the weight gradient (``Fp8Gemm.take_saved_input``); nothing without fp8."""
+        return None if self.fp8 is None else self.fp8.take_saved_input()
+
+    def wgrad_input(self, saved: tuple[torch.Tensor, ...], idx: torch.Tensor | None = None):
+        """fp8's weight-gradient operand from ``take_saved_input`` (only fp8 keeps one)."""
+        return self.fp8.wgrad_input(saved, idx)
 
     def take_x_amax(self) -> torch.Tensor | None:
         """fp8's kept input amax (``Fp8Gemm.take_x_amax``); nothing without fp8."""
