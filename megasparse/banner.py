@@ -109,6 +109,46 @@ def _split_line(cfg: Config, f: RunFacts) -> str | None:
     )
 
 
+MEMORY_SHARE = 0.92
+"""Share of the GPU's memory above which the banner warns that the configured layout may not fit. The planner
+counts what each op keeps (decision 1244; within 0.6 GiB of four H100s' first stage at seq 4096, 2026-11-27) but not
+the CUDA context and NCCL's buffers (~2 GiB) nor the allocator's fragmentation (up to 2 GiB): on 80 GB cards the
+whole 8B at seq 8192 ran at an estimate of 72.0 GiB (dense, selective recompute) and ran out of memory at 73.2 (fp8,
+selective, ``train.fp8_keep_transpose=false``)."""
+
+
+def _memory_line(cfg: Config, f: RunFacts) -> str | None:
+    """On CUDA, a warning when the planner puts the fullest stage of the configured split over ``MEMORY_SHARE`` of
+    this GPU, with the levers that bring it down; else None. ``auto``'s split warns on its own line."""
+    from megasparse.configbase import ConfigError
+    from megasparse.parallel import planner
+
+    p = cfg.parallel
+    total = device_mem_gib(f.device) if f.device.type == "cuda" else None
+    if total is None or p.auto_split is not None or p.virtual_stages > 1 or cfg.chunkflow.enabled:
+        return None
+    split = p.layer_split or planner.even_split(cfg.model.num_layers, p.pp)
+    try:
+        plan = planner.estimate(cfg, split, cfg.loss.vocab_over_pp, f.vocab, f.dp)
+    except (ConfigError, ValueError, ZeroDivisionError):  # a hint never stops a run from starting
+        return None
+    peak = max(s.mem_gib for s in plan.stages)
+    if peak <= MEMORY_SHARE * total:
+        return None
+    levers = []
+    if cfg.model.recompute != "full":
+        levers.append(f"model.recompute=full (now {cfg.model.recompute})")
+    if cfg.train.fp8 == "tensorwise" and cfg.train.fp8_keep_transpose:
+        levers.append("train.fp8_keep_transpose=false")
+    if cfg.train.micro_batch_size > 1:
+        levers.append("a smaller train.micro_batch_size")
+    levers.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation")
+    return (
+        f"WARNING: est. {peak:.1f} GiB on the fullest stage of this {total:.0f} GiB GPU (megasparse plan CONFIG); "
+        f"if it runs out of memory: {', '.join(levers)}"
+    )
+
+
 def format_banner(cfg: Config, f: RunFacts) -> str:
     """A few lines: model and device, layout, token filtering, loss, 2:4, fp8 / recompute when the config has those
     keys, CUDA graphs (and why not), optimizer."""
@@ -128,6 +168,9 @@ def format_banner(cfg: Config, f: RunFacts) -> str:
     hint = _split_line(cfg, f)
     if hint:
         lines.append(f"  pipeline   {hint}")
+    memory = _memory_line(cfg, f)
+    if memory:
+        lines.append(f"  memory     {memory}")
     if cfg.chunkflow.enabled:
         lines.append(f"  chunkflow  {chunkflow_line(cfg)}")
     if fl.mode == "off":

@@ -142,3 +142,35 @@ def test_banner_warns_when_autos_split_may_not_fit_the_gpu(monkeypatch):
         assert lines[card].startswith("layer split [17, 15] (auto: planner"), lines[card]
     assert "WARNING: est. 76." in lines[79.2] and "parallel.layer_split=null if it runs out" in lines[79.2]
     assert "WARNING" not in lines[139.8]
+
+
+def test_banner_warns_when_the_configured_split_may_not_fit_the_gpu(monkeypatch):
+    """fp8 with selective recompute on the whole 8B at seq 8192 (even PP 2 split): the planner's first stage is near
+    an 80 GB card's size (on four H100s it ran out of memory, 2026-11-27), so the banner names the levers there; it
+    is quiet on an H200, with full recompute, and off CUDA."""
+    import torch
+
+    import megasparse.banner as banner
+    from megasparse.banner import RunFacts
+
+    ov = ["parallel.layer_split=null", "model.seq_length=8192", "train.global_batch_size=16", "train.fp8=tensorwise"]
+    cfg = load_config(str(ROOT / "configs" / "gpu_8b_pp2_dp2.yaml"), [*ov, "model.recompute=selective"])
+    full = load_config(str(ROOT / "configs" / "gpu_8b_pp2_dp2.yaml"), [*ov, "model.recompute=full"])
+    facts = RunFacts(4, 2, 128256, 128256, torch.device("cuda"), torch.bfloat16, 8, None, 0.0, True, None)
+    monkeypatch.setattr(banner, "device_mem_gib", lambda dev: 79.2)
+    line = banner._memory_line(cfg, facts)
+    assert line.startswith("WARNING: est. 76.") and "of this 79 GiB GPU" in line, line
+    assert "model.recompute=full (now selective), train.fp8_keep_transpose=false" in line, line
+    assert "expandable_segments:True" in line
+    assert "  memory     WARNING" in banner.format_banner(cfg, facts)
+    assert banner._memory_line(full, facts) is None
+    # both levers of decision 1245 on: 73.2 GiB planned, still out of memory on the H100s; dense: 72.0, it ran
+    sel = [*ov, "model.recompute=selective"]
+    lever = load_config(str(ROOT / "configs" / "gpu_8b_pp2_dp2.yaml"), [*sel, "train.fp8_keep_transpose=false"])
+    assert banner._memory_line(lever, facts).startswith("WARNING: est. 73.2 GiB")
+    dense = load_config(str(ROOT / "configs" / "gpu_8b_pp2_dp2.yaml"), [*ov[:-1], "model.recompute=selective"])
+    assert banner._memory_line(dense, facts) is None
+    monkeypatch.setattr(banner, "device_mem_gib", lambda dev: 139.8)
+    assert banner._memory_line(cfg, facts) is None
+    cpu = RunFacts(4, 2, 128256, 128256, torch.device("cpu"), torch.float32, 8, None, 0.0, True, None)
+    assert banner._memory_line(cfg, cpu) is None
