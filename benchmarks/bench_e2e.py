@@ -172,6 +172,7 @@ EXTRA_MODES: dict[str, list[str]] = {  # not in the default matrix: the dense st
     "collider/recompute-full": _COLLIDER + ["model.recompute=full"],
     "collider+cce+fp8": _COLLIDER + _CCE + _FP8,  # all four less 2:4: what turning 2:4 on is held to (decision 1235)
     "fp8/recompute-selective": _FP8 + ["model.recompute=selective"],  # seq 8192 on 80 GB cards (issue 33 item 5)
+    "fp8/recompute-full": _FP8 + ["model.recompute=full"],
     "all four/recompute-selective": _COLLIDER + _CCE + _SPARSE + _FP8 + ["model.recompute=selective"],
     "all four/recompute-full": _COLLIDER + _CCE + _SPARSE + _FP8 + ["model.recompute=full"],
 }
