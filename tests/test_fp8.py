@@ -134,7 +134,8 @@ def _layers_with_reused_amax() -> dict:
 def _layers_with_saved_input() -> dict:
     """Column and row layers, tensorwise fp8 with the fp8 weight gradient, with the input kept in bf16-or-fp32 and as
     the forward's e4m3 transpose (decision 1245): per layer and per way, the dense backward's (dW, dx), the compact
-    backward's (dW, kept dx) for 23 of 39 rows, and the bytes and dtypes the layer's autograd node saved."""
+    backward's (dW, kept dx) for 23 of 39 rows, and the bytes and dtypes the layer's autograd node saved; then
+    whether a forward under no_grad or with a frozen weight kept an e4m3 xᵀ, and a compact backward of no rows."""
     from megasparse.ops.compact import CompactGrad, KeepMeta
     from megasparse.parallel import state
     from megasparse.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -161,6 +162,20 @@ def _layers_with_saved_input() -> dict:
                 "saved": (sum(x_bytes), sorted({str(t.dtype) for t in saved})),
                 "x_bytes": x.numel() * x.element_size(),
             }
+        # what the layer keeps of x when no weight gradient can follow: under no_grad (evaluation, ChunkFlow's
+        # earlier chunks), with the weight frozen; and a compact backward that kept no row at all
+        took, take = [], lin.gemm.take_saved_input
+        lin.gemm.take_saved_input = lambda took=took, take=take: (lambda a: took.append(a is not None) or a)(take())
+        with torch.no_grad():
+            lin(x)
+        lin.weight.requires_grad_(False)
+        lin(x)
+        lin.weight.requires_grad_(True)
+        lin.weight.grad = None
+        y = lin(x)
+        none = torch.zeros(0, dtype=torch.long)
+        y.backward(CompactGrad(gy.reshape(39, -1)[none], KeepMeta(none, 39, 3), y.shape))
+        out[(cls.__name__, "probe")] = {"kept xᵀ": took, "dW of no rows": lin.weight.grad}
     return out
 
 
@@ -177,6 +192,9 @@ def _check_saved_input(results: dict) -> None:
         assert plain["saved"][0] == plain["x_bytes"], (name, plain["saved"])
         assert kept["saved"][0] < plain["x_bytes"] / 3, (name, kept["saved"])  # fp32 x: 4 bytes -> 1 (+ padding)
         assert "torch.float8_e4m3fn" in kept["saved"][1], (name, kept["saved"])
+        probe = results[(name, "probe")]
+        assert probe["kept xᵀ"] == [False, False, True], (name, probe["kept xᵀ"])  # no_grad, frozen, training
+        assert probe["dW of no rows"] is not None and not probe["dW of no rows"].any(), name
 
 
 def test_saved_e4m3_input_gives_the_weight_gradient_the_same_bits() -> None:

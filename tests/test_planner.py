@@ -150,6 +150,9 @@ def test_recompute_fp8_and_2to4_change_the_memory_estimate():
     assert full.act_gib < sel.act_gib < base.act_gib
     fp8 = stage1(["train.fp8=tensorwise"])
     assert (fp8.state_gib - base.state_gib) * 1024**3 == pytest.approx(2 * BLOCK_PARAMS)
+    # qkv's, fc1's and fc2's inputs (2h + f per token) kept as one e4m3 byte, not a 4-byte fp32 element (1245)
+    saved = 3 * TOKENS * (2 * 64 + 128) * (4 - 1)
+    assert (base.act_gib - fp8.act_gib) * 1024**3 == pytest.approx(saved)
     both = stage1(["train.fp8=tensorwise", "sparsity.enabled=true"])
     assert (both.state_gib - fp8.state_gib) * 1024**3 == pytest.approx(3 * 64 * 128)
 

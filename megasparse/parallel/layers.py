@@ -162,11 +162,11 @@ def _wgrad_rows(ctx, gemm, x, meta: KeepMeta | None = None):
 
 class ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str, pg: ProcessGroups):
+    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str, pg: ProcessGroups, grad: bool):
         group = pg.tp_group
         total = comm.all_gather(x, group, "tp", dim=0, region=f"{name}.sp_gather") if sp else x
         w = weight.to(dtype) if wc is None else wc
-        y = gemm.fwd(_flat(total), w, ctx.needs_input_grad[1]).view(*total.shape[:-1], w.shape[0])
+        y = gemm.fwd(_flat(total), w, grad and ctx.needs_input_grad[1]).view(*total.shape[:-1], w.shape[0])
         _save_input(ctx, gemm, total, w)
         ctx.cfg = (sp, gemm, name, x.shape, weight, pg)
         ctx.x_amax = gemm.take_x_amax()  # the whole-input weight gradient's cast reuses it
@@ -188,7 +188,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             dw = weight_grad(weight, gemm, g.rows, _wgrad_rows(ctx, gemm, total, meta))  # overlaps the collective
             if work is not None:
                 work.wait()
-            return CompactGrad(dx, meta_out, x_shape), dw, None, None, None, None, None, None
+            return CompactGrad(dx, meta_out, x_shape), dw, None, None, None, None, None, None, None
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
         if sp:
@@ -198,15 +198,15 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         dw = weight_grad(weight, gemm, g2, _wgrad_rows(ctx, gemm, total), ctx.x_amax)
         if work is not None:
             work.wait()
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 class RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str, pg: ProcessGroups):
+    def forward(ctx, x, weight, wc, sp: bool, dtype, gemm, name: str, pg: ProcessGroups, grad: bool):
         group = pg.tp_group
         w = weight.to(dtype) if wc is None else wc
-        y = gemm.fwd(_flat(x), w, ctx.needs_input_grad[1]).view(*x.shape[:-1], w.shape[0])
+        y = gemm.fwd(_flat(x), w, grad and ctx.needs_input_grad[1]).view(*x.shape[:-1], w.shape[0])
         if sp:
             y = comm.reduce_scatter(y, group, "tp", region=f"{name}.sp_scatter")
         else:
@@ -227,13 +227,13 @@ class RowParallelLinearFn(torch.autograd.Function):
                 gr, meta = rows.gather_rows(gr, meta, group, pg.tp, pg.tp_rank, f"{name}.sp_gather")
             dx = gemm.dgrad(gr, w)
             dw = weight_grad(weight, gemm, gr, _wgrad_rows(ctx, gemm, x, meta))
-            return CompactGrad(dx, meta, x_shape), dw, None, None, None, None, None, None
+            return CompactGrad(dx, meta, x_shape), dw, None, None, None, None, None, None, None
         if sp:
             g = comm.all_gather(g, group, "tp", dim=0, region=f"{name}.sp_gather")
         g2 = _flat(g)
         dx = gemm.dgrad(g2, w).view(*g.shape[:-1], w.shape[1])
         dw = weight_grad(weight, gemm, g2, _wgrad_rows(ctx, gemm, x), ctx.x_amax)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def vocab_slice_lookup(ids: torch.Tensor, weight: torch.Tensor, start: int, dtype) -> tuple[torch.Tensor, ...]:
@@ -319,7 +319,10 @@ class _ParallelLinear(_ParallelBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wc = self.compute_weight()
         sp, dtype = self.sequence_parallel, self.compute_dtype
-        return self.fn.apply(x, self.weight, wc, sp, dtype, self.gemm, self.pname, self.pg)
+        # whether autograd records this call (a weight gradient may follow): inside a Function's forward grad mode
+        # is always off, and ctx.needs_input_grad is True under no_grad too (fp8 would cast an xᵀ for nothing: 1245)
+        grad = torch.is_grad_enabled()
+        return self.fn.apply(x, self.weight, wc, sp, dtype, self.gemm, self.pname, self.pg, grad)
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -77,11 +77,11 @@ def act_elems_per_token(cfg: Config, recompute: str | None = None) -> tuple[floa
     h, f = m.hidden_size, m.ffn_size
     q, kv = m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
     # tensorwise fp8 with its fp8 weight gradient: qkv, fc1 and (without selective) fc2 keep their inputs as one
-    # byte per element, half a compute-dtype element (decision 1245)
-    half = 0.5 if cfg.train.fp8 == "tensorwise" and cfg.train.fp8_wgrad else 1.0
+    # byte per element, half a bf16 element, a quarter of an fp32 one (decision 1245)
+    e4m3 = 1 / _elem(cfg) if cfg.train.fp8 == "tensorwise" and cfg.train.fp8_wgrad else 1.0
     if (recompute or m.recompute) == "selective":
-        return 2 * h, 2 * h * half, 2 * q + 2 * kv + 2 * f
-    return 2 * h, 2 * h * half, 3 * q + 3 * kv + (2 + half) * f
+        return 2 * h, 2 * h * e4m3, 2 * q + 2 * kv + 2 * f
+    return 2 * h, 2 * h * e4m3, 3 * q + 3 * kv + (2 + e4m3) * f
 
 
 def act_bytes_per_layer(cfg: Config, tokens: int, elem: int, recompute: str | None = None) -> float:
