@@ -98,12 +98,18 @@ def quantize_reference(
     b = s if axis == "tensor" else (s[:, None] if axis == "row" else s[None, :])
     m = fp8_max(fmt)
     q = (x.float() * b).clamp(-m, m).to(fmt)
-    if transpose:
-        r = x.shape[0] if pad_to is None else pad_to
-        qt = torch.zeros(x.shape[1], r, dtype=fmt, device=x.device)
-        qt[:, : x.shape[0]] = q.t()
-        q = qt
-    return q, 1.0 / s
+    return (transposed(q, pad_to) if transpose else q), 1.0 / s
+
+
+def transposed(q: torch.Tensor, pad_to: int | None = None) -> torch.Tensor:
+    """qᵀ [C, pad_to or R] of an fp8 [R, C], zero-padded: the same bytes moved (through uint8, which every torch
+    copies), no cast. The weight-gradient operand's layout, and fp8's per-use Wᵀ (``train.fp8_keep_transpose``)."""
+    b = q.view(torch.uint8)
+    if pad_to is None or pad_to == q.shape[0]:
+        return b.t().contiguous().view(q.dtype)
+    out = torch.zeros(q.shape[1], pad_to, dtype=torch.uint8, device=q.device)
+    out[:, : q.shape[0]] = b.t()
+    return out.view(q.dtype)
 
 
 def dequantize(q: torch.Tensor, sinv: torch.Tensor, axis: Axis) -> torch.Tensor:
@@ -264,9 +270,7 @@ def quantize_triton(
         # triton 3.6 on sm_90 wrote every fourth row of the transposed fp8 block wrong from an fp32 input (bf16
         # inputs are exact; tests/test_gpu_fp8.py): fp32 inputs (weights, once per optimizer step) transpose in torch
         q, _, sinv = quantize_triton(x, fmt, axis, mask=mask, amax=amax)
-        qt = torch.zeros(x.shape[1], x.shape[0] if pad_to is None else pad_to, dtype=fmt, device=x.device)
-        qt[:, : x.shape[0]] = q.t()
-        return (q if write_q else None), qt, sinv
+        return (q if write_q else None), transposed(q, pad_to), sinv
     r, c = x.shape
     ldt = r if pad_to is None else pad_to
     n_scales = 1 if axis == "tensor" else (r if axis == "row" else c)

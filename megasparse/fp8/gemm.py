@@ -29,7 +29,17 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from megasparse.fp8.cast import E4M3, E5M2, Axis, amax_triton, dequantize, quantize, quantize_triton, use_triton
+from megasparse.fp8.cast import (
+    E4M3,
+    E5M2,
+    Axis,
+    amax_triton,
+    dequantize,
+    quantize,
+    quantize_triton,
+    transposed,
+    use_triton,
+)
 from megasparse.ops.wgrad import accumulate_mm
 
 Recipe = Literal["tensorwise", "rowwise"]
@@ -82,13 +92,6 @@ class Fp8Input(NamedTuple):
         return Fp8Input(sel.view(self.qt.dtype), self.s)
 
 
-def _padded_t(q: torch.Tensor, pad: int) -> torch.Tensor:
-    """qᵀ of the fp8 [R, C] with its columns zero-padded to ``pad`` (the reference path's ``_token_pad``)."""
-    out = torch.zeros(q.shape[1], pad, dtype=torch.uint8, device=q.device)
-    out[:, : q.shape[0]] = q.view(torch.uint8).t()
-    return out.view(q.dtype)
-
-
 class Fp8Gemm:
     """fp8 GEMMs of one linear layer (``parallel/layers.py``'s pluggable gemm), with its fp8 weight copies."""
 
@@ -134,7 +137,7 @@ class Fp8Gemm:
             st = s
         elif self.recipe == "tensorwise":
             q, s = quantize(w, E4M3, "tensor", mask=m)
-            qt, st = q.t().contiguous(), s
+            qt, st = transposed(q), s
         else:
             q, s = quantize(w, E4M3, "row", mask=m)
             qt, st = quantize(w, E4M3, "col", transpose=True, mask=m)
@@ -165,7 +168,7 @@ class Fp8Gemm:
                 q, qt, s = quantize_triton(x2d, E4M3, "tensor", transpose=True, pad_to=pad)
             else:
                 q, s = quantize(x2d, E4M3, "tensor")
-                qt = q.t().contiguous() if pad is None else _padded_t(q, pad)
+                qt = transposed(q, pad)
             self._saved = (qt, s)
             return scaled_mm(q, s, self.w8, self.sw, ("tensor", "tensor"), x2d.dtype)
         if self.recipe == "tensorwise" and self.wgrad_fp8 and use_triton(x2d):
@@ -201,7 +204,7 @@ class Fp8Gemm:
             self._g_t = (g2d, qt, s)
         else:
             q, s = quantize(g2d, E5M2, self.axis)
-        wt = self.w8t if self.w8t is not None else self.w8.view(torch.uint8).t().contiguous().view(E4M3)
+        wt = self.w8t if self.w8t is not None else transposed(self.w8)
         return scaled_mm(q, s, wt, self.swt, (self.axis, self.axis), g2d.dtype)
 
     def _wgrad(

@@ -41,15 +41,20 @@ Groups = list[tuple[list[nn.Parameter], float]]
 _KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")  # how a run steps, not what a checkpoint holds
 
 
-def _wait_all(works: list) -> None:
-    """Complete every pending all-gather of a finished optimizer (its ``works`` list, emptied of handles)."""
-    for k, w in enumerate(works):
-        if w is not None:
+def _wait(works: list, which: list[int] | None = None, quiet: bool = False) -> list[int]:
+    """Complete the pending all-gathers ``which`` (None: all) of ``works``, emptying their slots; the slots that
+    held one. ``quiet``: for an optimizer being dropped, whose group may be torn down already (nothing to hold)."""
+    done = []
+    for k in range(len(works)) if which is None else which:
+        if works[k] is not None:
             try:
-                w.wait()
-            except Exception:  # noqa: BLE001 - a group already torn down: nothing left to hold
-                pass
+                works[k].wait()
+            except Exception:  # noqa: BLE001
+                if not quiet:
+                    raise
             works[k] = None
+            done.append(k)
+    return done
 
 
 @dataclass
@@ -105,7 +110,7 @@ class DistributedAdamW:
         self.masters, self.moments, self.works = [], [], []
         # gathers still in flight when the optimizer goes (a caller of train_step that drops the trainer; train()
         # waits at its end): waited for then, else NCCL keeps their tensors, a stage's parameters, for good
-        weakref.finalize(self, _wait_all, self.works).atexit = False
+        weakref.finalize(self, _wait, self.works, None, True).atexit = False
         self.pieces: list[list[tuple[int, int, int, torch.Tensor]]] = []  # per bucket: (param idx, s, e, master view)
         init_state: dict[torch.Tensor, dict] = {}
         for b in buckets.buckets:
@@ -229,11 +234,8 @@ class DistributedAdamW:
 
     def wait_params(self, which: list[int] | None = None) -> None:
         """Wait for the gathered parameters of buckets ``which`` (all by default)."""
-        for k in range(len(self.works)) if which is None else which:
-            if self.works[k] is not None:
-                self.works[k].wait()
-                self.works[k] = None
-                self._changed(k)
+        for k in _wait(self.works, which):
+            self._changed(k)
 
     def _changed(self, k: int) -> None:
         """The parameters were written through their shared storage, behind their own version counters (``p.data``
