@@ -1,5 +1,6 @@
 """ChunkFlow's benchmark (issue 30): real tokens/s and peak memory on long-tail data, three ways, one call.
 
+    torchrun --nproc_per_node 4 benchmarks/bench_chunkflow.py 4gpu_8b32l   # the whole Llama-3-8B, TP 2 x PP 2 + SP
     torchrun --nproc_per_node 4 benchmarks/bench_chunkflow.py 4gpu_8b [--modes mcore-fixed,padded,chunkflow]
         [--max-length 32768[,65536]] [--longer-modes chunkflow] [--docs 10000] [--chunk-size 8192]
         [--max-chunks 2] [--warmup 1] [--steps 3] [--data PREFIX] [--out-dir DIR] [section.key=value ...]
@@ -14,12 +15,19 @@ At S = 32768 and 10000 documents that is median ~870 tokens, mean ~1.9K, p90 ~3.
 training split's :func:`~megasparse.data.lengths.length_report` (``distributions`` per S; ``distribution``: the
 first S's).
 
+Layouts: ``4gpu_8b`` (8 Llama-3-8B layers, TP 2 x PP 2 + SP, 8 windows per step; default modes ``mcore-fixed``,
+``padded``, ``chunkflow``) and ``4gpu_8b32l`` (all 32 layers, the same layout and batch; default modes
+``mcore-fixed``, ``padded/full``, ``chunkflow``: at S = 32768 the packed windows need full recompute on 80 GB, the
+chunks of 8192 none).
+
 Modes, each on the same data and model, every rank in the same process group:
 
 * ``mcore-fixed``: megatron-core's GPTModel (``benchmarks/mcore_anchor.py``'s ``McoreTrainer``, flash attention
   through SDPA) at fixed length S: every micro-batch is one whole sequence padded to S with EOD, the training
   split's sequences in ``SequenceDataset``'s seeded order (``step_sequences``), global batch sequences per step.
-  Its loss averages over the padding too (the anchor has no loss mask; the cost is the same). Needs CUDA.
+  Its loss averages over the padding too (the anchor has no loss mask; the cost is the same). Needs CUDA. On
+  ``4gpu_8b32l`` it runs with Megatron-LM's full recompute (``model.recompute=full``): 32K-token sequences of the
+  whole 8B do not fit 80 GB otherwise, there as here.
 * ``padded``: megasparse packing the document stream into windows of S (``data.document_attention=true``: no
   attention across a document boundary, positions restart). Packing leaves no padding: every token is real; a
   document that straddles a window boundary is trained as two pieces.
@@ -94,8 +102,20 @@ _TINY = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "paral
          "model.ffn_hidden_size=128", "model.vocab_size=512", "train.global_batch_size=4",
          "data.valid_fraction=0.1"]  # fmt: skip
 LAYOUTS: dict[str, dict] = {
-    # name: config, ranks, overrides, default maximum length S, default number of documents
+    # name: config, ranks, overrides, default maximum length S, default number of documents; optional: the default
+    # modes (``MODES``) and megatron-core's overrides (none)
     "4gpu_8b": dict(config="configs/gpu_8b8l_tp2_pp2_sp.yaml", ranks=4, overrides=[], max_length=32768, docs=10000),
+    # the whole Llama-3-8B: windows of 32K fit 80 GB only with full recompute (`megasparse plan`: 114 GiB without,
+    # 95 selective, 40 full at TP 2 x PP 2 + SP), megatron-core's too; ChunkFlow's chunks of 8192 need none
+    "4gpu_8b32l": dict(
+        config="configs/gpu_8b_tp2_pp2_sp.yaml",
+        ranks=4,
+        overrides=["train.global_batch_size=8"],
+        max_length=32768,
+        docs=10000,
+        modes=("mcore-fixed", "padded/full", "chunkflow"),
+        mcore=["model.recompute=full"],
+    ),
     "cpu_tiny": dict(config="configs/cpu_toy.yaml", ranks=1, overrides=_TINY, max_length=128, docs=1500),
 }
 MODES = ("mcore-fixed", "padded", "chunkflow")
@@ -124,7 +144,7 @@ def chunkflow_overrides(a: argparse.Namespace, batch: int | None = None) -> list
 def mode_overrides(mode: str, a: argparse.Namespace, batch: int | None = None) -> list[str]:
     """A megasparse mode's overrides (``mcore-fixed`` runs megatron-core on the base config)."""
     return {
-        MCORE: [],
+        MCORE: list(a.mcore_overrides),
         "padded": ["data.document_attention=true"],
         "padded/selective": ["data.document_attention=true", "model.recompute=selective"],
         "padded/full": ["data.document_attention=true", "model.recompute=full"],
@@ -450,7 +470,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("layout", choices=list(LAYOUTS))
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for every mode")
-    p.add_argument("--modes", default=",".join(MODES), help=f"of {list(MODES + EXTRA_MODES)}")
+    p.add_argument("--modes", default=None, help=f"of {list(MODES + EXTRA_MODES)} (default: the layout's)")
     p.add_argument("--max-length", default=None, help="S, the longest sequence and window (layout's); S1,S2,...: also")
     p.add_argument(
         "--longer-modes",
@@ -473,7 +493,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))
     a = parse_with_overrides(p, argv)
     a.max_lengths = [int(x) for x in str(a.max_length or LAYOUTS[a.layout]["max_length"]).split(",") if x]
-    a.modes = [m for m in a.modes.split(",") if m]
+    lay = LAYOUTS[a.layout]
+    a.modes = [m for m in (a.modes or ",".join(lay.get("modes", MODES))).split(",") if m]
+    a.mcore_overrides = lay.get("mcore", [])
     if a.longer_modes is None:
         a.longer_modes = [m for m in ("chunkflow",) if m in a.modes]
     else:

@@ -12,6 +12,10 @@ off. Two core attentions:
   kernel, causal, GQA by repeating K/V as megasparse does). megatron-core has no flash path without TE, so
   this is the fair anchor; ``local`` is reported as what the stock local spec gives.
 
+``model.recompute=full`` becomes Megatron-LM's full uniform recompute of every layer (what a long sequence that does
+not fit needs there as here); ``none`` and ``selective`` leave the sdpa spec without recompute (its flash attention
+keeps no scores, so megatron-core's ``core_attn`` recompute would save nothing).
+
 ``load_from_megasparse`` copies a megasparse GPTStage's weights into the model (same rank's shards), so the
 benchmark can check that both compute the same losses before timing them.
 """
@@ -83,7 +87,9 @@ def transformer_config(cfg: Config, attention: str, dtype: torch.dtype = torch.b
 
     m, p = cfg.model, cfg.parallel
     kw = _split_kwargs(cfg)
-    if attention == "local" and recompute:
+    if m.recompute == "full":  # Megatron-LM's --recompute-granularity full --recompute-method uniform, 1 layer
+        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif attention == "local" and recompute:
         kw.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     return TransformerConfig(
         num_layers=m.num_layers,

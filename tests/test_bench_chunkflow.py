@@ -110,3 +110,31 @@ def test_every_mode_of_the_gpu_layout_is_a_valid_config_or_not_available() -> No
                 bc._config(a, lay, "/nonexistent/longtail", s, bc.mode_overrides(mode, a))[0].validate(4)
             except ConfigError as e:
                 assert mode in ("padded", "chunkflow") and "unknown config key" in str(e), (mode, e)
+
+
+def test_whole_8b_layout_packs_with_full_recompute_and_chunks_without() -> None:
+    """4gpu_8b32l: the default rows are the ones that fit 80 GB at S = 32768 (the planner says so here, the GPU
+    call measures it), and megatron-core's anchor gets the same full recompute as the packed windows."""
+    import bench_chunkflow as bc
+
+    from megasparse.parallel.planner import estimate, even_split
+
+    def peak_gib(c) -> float:
+        return max(st.mem_gib for st in estimate(c, even_split(32, 2), False, 128256).stages)
+
+    a = bc.parse_args(["4gpu_8b32l", "train.device=auto", "parallel.backend=auto"])
+    assert a.modes == ["mcore-fixed", "padded/full", "chunkflow"] and a.chunk_size == 8192
+    lay = bc.LAYOUTS["4gpu_8b32l"]
+    cfgs = {m: bc._config(a, lay, "/nonexistent/longtail", 32768, bc.mode_overrides(m, a))[0] for m in bc.MODES}
+    cfgs.update({m: bc._config(a, lay, "/nonexistent/longtail", 32768, bc.mode_overrides(m, a))[0]
+                 for m in bc.EXTRA_MODES})  # fmt: skip
+    for c in cfgs.values():
+        c.validate(4)
+        assert c.model.num_layers == 32 and c.parallel.tp == 2 and c.parallel.pp == 2
+    assert cfgs["mcore-fixed"].model.recompute == "full" and cfgs["padded/full"].model.recompute == "full"
+    assert cfgs["chunkflow"].model.recompute == "none" and cfgs["chunkflow"].model.seq_length == 8192
+    peak = {m: peak_gib(cfgs[m]) for m in ("padded", "padded/selective", "padded/full", "chunkflow")}
+    assert peak["padded"] > peak["padded/selective"] > 80 > peak["padded/full"] and peak["chunkflow"] < 60, peak
+    # the 8-layer layout keeps its defaults and no anchor recompute
+    b = bc.parse_args(["4gpu_8b"])
+    assert b.modes == list(bc.MODES) and bc.mode_overrides("mcore-fixed", b) == []

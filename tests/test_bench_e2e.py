@@ -512,3 +512,20 @@ def test_live_cuda_tensors_skips_tensors_without_memory_of_their_own() -> None:
         held.append(torch.empty(1024, 1024, device="cuda"))
     assert all(t.is_cuda for t in held)
     assert live_cuda_tensors().startswith("0 reachable tensors, 0.00 GiB"), live_cuda_tensors()
+
+
+def test_anchor_full_recompute_is_megatron_lms_uniform_per_layer() -> None:
+    """model.recompute=full reaches megatron-core as Megatron-LM's full uniform recompute of each layer
+    (bench_chunkflow's whole-8B anchor at 32K needs it); other settings leave the sdpa spec without recompute."""
+    pytest.importorskip("megatron.core")
+    import mcore_anchor
+
+    from megasparse.config import load_config
+
+    full = mcore_anchor.transformer_config(load_config(None, ["model.recompute=full"]), "sdpa")
+    assert (full.recompute_granularity, full.recompute_method, full.recompute_num_layers) == ("full", "uniform", 1)
+    for rc in ("none", "selective"):
+        assert (
+            mcore_anchor.transformer_config(load_config(None, [f"model.recompute={rc}"]), "sdpa").recompute_granularity
+            is None
+        )
