@@ -63,6 +63,10 @@ chunks' FlexAttention variants are compiled before the warm-up steps: ``tail_pre
 real). Writes ``chunkflow_<layout>.json`` (``device``, ``layout``, ``distribution``, ``cases`` with ``mode`` and
 ``real_tokens_per_s``, ratios against ``mcore-fixed`` and ``padded``) after every case (``partial`` until the end)
 and prints the table last.
+
+Memory fit on a smaller card: ``--gpu-memory-gib 79.1`` caps each rank's allocator as an 80 GB H100 would (on an
+H200, whose 141 GB hold packing with selective recompute at S = 32768), so a mode that would not fit runs out of
+memory; the JSON records the cap (``memory_cap_gib``) and ``PYTORCH_CUDA_ALLOC_CONF``.
 """
 
 from __future__ import annotations
@@ -391,6 +395,17 @@ def plan(a: argparse.Namespace, lay: dict, world: int) -> list[dict]:
     return runs
 
 
+def memory_cap(gib: float | None) -> float | None:
+    """``--gpu-memory-gib``: cap this process's CUDA allocator at ``gib`` (an 80 GB card's fit, asked on a larger
+    one: ``set_per_process_memory_fraction``; an allocation past it raises out-of-memory as the smaller card
+    would). None or at least the card's size: no cap."""
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    if gib is None or gib >= total:
+        return None
+    torch.cuda.set_per_process_memory_fraction(gib / total)
+    return gib
+
+
 def run(a: argparse.Namespace) -> int:
     lay = LAYOUTS[a.layout]
     a.docs = a.docs or lay["docs"]
@@ -411,6 +426,7 @@ def run(a: argparse.Namespace) -> int:
     p, m = base_cfg.parallel, base_cfg.model
     state.init(p.tp, p.pp, p.sequence_parallel, p.backend)
     cuda = torch.cuda.is_available() and base_cfg.train.device != "cpu"
+    cap = memory_cap(a.gpu_memory_gib) if cuda else None
     rep: dict = {
         "device": f"{world}x {torch.cuda.get_device_name()}" if cuda else f"{world}x cpu",
         "layout": a.layout,
@@ -422,6 +438,8 @@ def run(a: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "call": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "chunkflow": {"chunk_size": a.chunk_size, "max_chunks_in_memory": a.max_chunks},
+        "memory_cap_gib": cap,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "distributions": {},
         "data_lines": [],
         "cases": [],
@@ -488,6 +506,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-chunks", type=int, default=2, help="chunkflow.max_chunks_in_memory")
     p.add_argument("--chunkflow-batch", type=int, default=0, help="sequences per chunkflow step (0: padded's tokens)")
     p.add_argument("--in-flight", type=int, default=1, help="chunkflow.sequences_in_flight")
+    p.add_argument(
+        "--gpu-memory-gib", type=float, default=None, help="cap each GPU's allocator here (an 80 GB card: 79.1)"
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out-dir", default=os.environ.get("OUT", str(ROOT / "docs" / "benchmarks" / "data")))
