@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megasparse.chunkflow.config import chunkflow_line
+from megasparse.chunkflow.config import chunkflow_line, known_longest
 from megasparse.config import Config
 from megasparse.loss.config import resolve_impl
 from megasparse.metrics import device_mem_gib, param_counts, short_count
@@ -34,6 +34,8 @@ class RunFacts:
     sharded: bool
     graphs_off: str | None
     """Why CUDA graphs are off (None: on)."""
+    longest_sequence: int | None = None
+    """``chunkflow.enabled``: the data's longest sequence (tokens; None: unknown), which sizes the K/V store."""
 
 
 def _onoff(v: bool) -> str:
@@ -123,18 +125,26 @@ def _memory_line(cfg: Config, f: RunFacts) -> str | None:
     from megasparse.configbase import ConfigError
     from megasparse.parallel import planner
 
-    p = cfg.parallel
+    p, cf = cfg.parallel, cfg.chunkflow
     total = device_mem_gib(f.device) if f.device.type == "cuda" else None
-    if total is None or p.auto_split is not None or p.virtual_stages > 1 or cfg.chunkflow.enabled:
+    if total is None or p.virtual_stages > 1 or (p.auto_split is not None and not cf.enabled):
         return None
     split = p.layer_split or planner.even_split(cfg.model.num_layers, p.pp)
     try:
-        plan = planner.estimate(cfg, split, cfg.loss.vocab_over_pp, f.vocab, f.dp)
+        if cf.enabled:
+            plan = planner.chunkflow_estimate(cfg, split, f.vocab, f.dp, f.longest_sequence or known_longest(cfg))
+        else:
+            plan = planner.estimate(cfg, split, cfg.loss.vocab_over_pp, f.vocab, f.dp)
     except (ConfigError, ValueError, ZeroDivisionError):  # a hint never stops a run from starting
         return None
     peak = max(s.mem_gib for s in plan.stages)
     if peak <= MEMORY_SHARE * total:
         return None
+    if cf.enabled:
+        return (
+            f"WARNING: est. {peak:.1f} GiB on the fullest stage of this {total:.0f} GiB GPU ({plan.name}; megasparse "
+            f"plan CONFIG --longest N); if it runs out of memory: {', '.join(_chunkflow_levers(cfg, plan))}"
+        )
     levers = []
     if cfg.model.recompute != "full":
         levers.append(f"model.recompute=full (now {cfg.model.recompute})")
@@ -147,6 +157,27 @@ def _memory_line(cfg: Config, f: RunFacts) -> str | None:
         f"WARNING: est. {peak:.1f} GiB on the fullest stage of this {total:.0f} GiB GPU (megasparse plan CONFIG); "
         f"if it runs out of memory: {', '.join(levers)}"
     )
+
+
+def _chunkflow_levers(cfg: Config, plan) -> list[str]:
+    """``_memory_line``'s levers under ChunkFlow (decision 1247): fewer chunks held, smaller chunks, one sequence in
+    flight, a shorter longest sequence when its K/V store weighs; not ``model.recompute=full``, which ChunkFlow
+    refuses (it recomputes whole chunks itself)."""
+    cf = cfg.chunkflow
+    fullest = max(plan.stages, key=lambda s: s.mem_gib)
+    levers = []
+    if cf.max_chunks_in_memory > 1:
+        levers.append(
+            f"chunkflow.max_chunks_in_memory=1 (now {cf.max_chunks_in_memory}; {fullest.mb_act_gib:.1f} GiB a chunk "
+            "on that stage, for a forward again per earlier chunk)"
+        )
+    levers.append(f"a smaller chunk (model.seq_length, now {cfg.model.seq_length})")
+    if cf.pipeline_schedule == "state_aware" and cf.sequences_in_flight > 1:
+        levers.append(f"chunkflow.sequences_in_flight=1 (now {cf.sequences_in_flight})")
+    if fullest.kv_gib > 0.1 * fullest.mem_gib:
+        levers.append(f"a lower chunkflow.max_sequence_length (its K/V store: {fullest.kv_gib:.1f} GiB)")
+    levers.append("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation")
+    return levers
 
 
 def format_banner(cfg: Config, f: RunFacts) -> str:

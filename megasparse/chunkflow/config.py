@@ -114,6 +114,15 @@ def sequence_limit(cfg) -> int | None:
     return int(m.rope_original_max_positions * m.rope_scaling_factor)
 
 
+def known_longest(cfg) -> int | None:
+    """The longest sequence the config alone fixes: ``sequence_limit``, else for ``data.prefix=synthetic`` the
+    stand-in's 64 chunks (``data.LongTailSequences``); None: only the data knows (``data.longest_sequence``)."""
+    limit = sequence_limit(cfg)
+    if limit is None and cfg.data.prefix == "synthetic":
+        return 64 * cfg.model.seq_length
+    return limit
+
+
 def chunkflow_line(cfg) -> str:
     """The start banner's line: what a step holds, what K keeps and whether short sequences share chunks."""
     cf, t = cfg.chunkflow, cfg.train

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from megasparse.chunkflow.config import sequence_limit
+from megasparse.chunkflow.config import known_longest, sequence_limit
 
-__all__ = ["LongTailSequences", "sequence_source"]
+__all__ = ["LongTailSequences", "longest_sequence", "sequence_source"]
 
 
 class LongTailSequences:
@@ -50,8 +50,18 @@ def sequence_source(cfg, vocab: int):
     ``chunkflow.max_sequence_length``, as ``data/sequences.py`` counts and reports)."""
     limit = sequence_limit(cfg)
     if cfg.data.prefix == "synthetic":
-        return LongTailSequences(vocab, limit or 64 * cfg.model.seq_length, cfg.data.seed)
+        return LongTailSequences(vocab, known_longest(cfg), cfg.data.seed)
     from megasparse.data.sequences import build_sequence_datasets
 
     train, _, _ = build_sequence_datasets(cfg.data, max_length=limit, vocab_size=vocab)
     return train
+
+
+def longest_sequence(source, max_length: int | None) -> int | None:
+    """The longest sequence a run can meet (tokens): the source's lengths (a corpus's, truncated) where it has them,
+    else ``max_length`` or the stand-in's bound; None: unknown. The planner sizes ChunkFlow's K/V store by it."""
+    longest = max_length or getattr(source, "max_length", None)
+    lengths = getattr(source, "lengths", None)
+    if lengths is not None and len(lengths):
+        longest = min(longest or 1 << 62, int(max(lengths)))
+    return longest

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from megasparse.chunkflow.data import longest_sequence
 from megasparse.chunkflow.plan import Chunk, Piece, plan_step
 from megasparse.ops import doc_flex, tail_flex
 from megasparse.ops.prefix_attention import prefix_attention
@@ -40,10 +41,7 @@ def _lengths(source, step: int, n: int) -> list[int]:
 
 def _possible(source, chunk_size: int, max_length: int | None) -> int | None:
     """How many prefix lengths a packed last chunk can have: (chunks of the longest sequence) - 1."""
-    longest = max_length or getattr(source, "max_length", None)
-    lengths = getattr(source, "lengths", None)
-    if lengths is not None and len(lengths):
-        longest = min(longest or 1 << 62, int(max(lengths)))
+    longest = longest_sequence(source, max_length)
     return None if longest is None else max(0, -(-(longest - 1) // chunk_size) - 1)
 
 

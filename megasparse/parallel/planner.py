@@ -15,13 +15,20 @@ Estimates are analytic (what the model's matmuls do; the activations each op sav
 ``model.recompute``; fp8's and 2:4's weight copies), meant for ranking splits and for whether a stage fits, not for
 absolute times. ``parallel.layer_split: auto`` trains (b)'s split, or (c)'s under ``loss.vocab_over_pp``
 (``resolve_layer_split``, decision 1243).
+
+Under ``chunkflow.enabled`` the same per-stage terms give ChunkFlow's memory (``chunkflow_estimate``, decision 1247):
+the activations of the chunks a stage holds at once under its pipeline order, each one micro-batch, plus the K/V
+store of the sequences in progress; ``megasparse plan`` prints it and the start banner warns by it.
+
+Why this file is long: one home for the analytic stage model; the fixed-window plans and ChunkFlow's estimate share
+its per-op activation and state counts, which must not drift apart in two files.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megasparse.config import Config, ConfigError, load_config
 from megasparse.configbase import parse_with_overrides
@@ -134,6 +141,12 @@ class StageEstimate:
     """Weights + grads + Adam state."""
     act_gib: float
     """Activations held at 1F1B's peak (in-flight micro-batches) plus the loss layer's working set."""
+    mb_act_gib: float = 0.0
+    """One micro-batch's activations on this stage (its blocks' and the hidden it hands on): ChunkFlow's per chunk."""
+    loss_gib: float = 0.0
+    """The loss layer's working set (final hidden, materialised logits), counted once."""
+    kv_gib: float = 0.0
+    """ChunkFlow: the K/V stores of the sequences in progress (counted in ``act_gib``)."""
 
     @property
     def mem_gib(self) -> float:
@@ -149,6 +162,8 @@ class Plan:
     num_mb: int
     emb_shares: list[float] | None = None
     """Input-embedding fraction per stage (vocab_over_pp with embedding_over_pp), else None."""
+    notes: list[str] = field(default_factory=list)
+    """What the activations count, one line each (ChunkFlow's estimate)."""
 
     @property
     def max_flops(self) -> float:
@@ -201,13 +216,13 @@ def estimate(
         flops = n * layer_flops(cfg, tokens) / tp
         # 1F1B keeps pp − r micro-batches in flight; vocab_over_pp's lock-step schedule 2(pp − 1 − r) + 1
         in_flight = min(2 * (pp - 1 - r) + 1 if vocab_over_pp else pp - r, num_mb)
-        act = n * act_bytes_per_layer(cfg, tokens, elem) * in_flight
-        if m.recompute == "full" and n:  # the block the backward is running again
-            act += act_bytes_per_layer(cfg, tokens, elem, "none")
-        # one hidden per micro-batch in flight besides the blocks' own: a non-last stage's output (pipeline.InFlight
+        # one micro-batch: its blocks' activations and one hidden besides: a non-last stage's output (pipeline.InFlight
         # holds it until that micro-batch's backward; megatron-core frees it once sent), the last stage's final
         # norm input. The embedding's output is block 0's norm input, counted with the blocks.
-        act += tokens * h * elem * in_flight / (tp if p.sequence_parallel else 1)
+        one = n * act_bytes_per_layer(cfg, tokens, elem) + tokens * h * elem / (tp if p.sequence_parallel else 1)
+        act = one * in_flight
+        if m.recompute == "full" and n:  # the block the backward is running again
+            act += act_bytes_per_layer(cfg, tokens, elem, "none")
         parts = []
         if shares is not None:
             parts.append(f"emb{100 * shares[r]:.0f}%")
@@ -217,7 +232,7 @@ def estimate(
         elif r == 0:
             parts.append("emb")
             params += v_pad * h / tp
-        out_cols, copies = 0, 0.0
+        out_cols, copies, loss = 0, 0.0, 0.0
         if vocab_over_pp:
             parts.append(f"loss/{pp}")
             out_cols = v_pad // shards
@@ -229,15 +244,96 @@ def estimate(
             if _copies(cfg):  # the output weight's compute copy
                 copies += out_cols * h * elem
             flops += loss_flops(cfg, tokens, out_cols)
-            act += tokens * h * elem  # the (gathered) final hidden the loss keeps for its backward
+            loss += tokens * h * elem  # the (gathered) final hidden the loss keeps for its backward
             # materialised logits (impl=materialized/mcore, or auto under its budget): [tokens, V_local] fp32 +
             # compute dtype
             if cfg.loss.resolved_impl(tokens, out_cols) in ("materialized", "mcore"):
-                act += tokens * out_cols * (4 + elem)
+                loss += tokens * out_cols * (4 + elem)
         state = (params * state_bytes(cfg, dp) + n * feature_bytes_per_layer(cfg) + copies) / GIB
-        stages.append(StageEstimate(n, "+".join(parts) or "-", flops, params, state, act / GIB))
+        est = StageEstimate(n, "+".join(parts) or "-", flops, params, state, (act + loss) / GIB, one / GIB, loss / GIB)
+        stages.append(est)
     name = "vocab_over_pp" if vocab_over_pp else "vocab on last stage"
     return Plan(name, list(split), vocab_over_pp, stages, num_mb, shares)
+
+
+def chunks_held(
+    order: str, pp: int, r: int, keep: int, longest_chunks: int, window: int = 1, singles: int | None = None
+) -> int:
+    """Chunks whose activations stage r holds at once under ChunkFlow's pipeline ``order`` (``chunkflow/schedule.py``)
+    with sequences of up to ``longest_chunks`` chunks: K (``keep``; the sequence's chunks if fewer) of the long
+    sequence, and the independent single chunks in flight, at most 1F1B's pp − r (``singles``: how many the step
+    has; None: at least that).
+
+    ``state_aware`` holds both at once; with ``window`` (``chunkflow.sequences_in_flight``) > 1 the next sequences'
+    kept chunks too, but only as many as its forwards fit in the first one's turnaround, 2(pp − 1 − r) slots. On
+    the last stage every chunk's backward follows its forward (its output gradient is local), so a sequence's
+    backwards run back to back once its last chunk is forwarded and nothing else is held beside its K. ``gpipe`` runs
+    a long sequence alone, then the singles: the larger of the two. The slot tables never pass this and reach it on
+    most stages (a rerun's graph lives in its backward's slot, after its sequence's kept chunks went:
+    tests/test_chunkflow_memory.py), where window · K + pp − r would be one too many on the last stage and up to
+    K − 2 too many on the first at pp 2 with two sequences in flight."""
+    seq = min(keep, longest_chunks) if longest_chunks > 1 else 0
+    own = pp - r if singles is None else min(pp - r, singles)
+    if order == "gpipe" or r == pp - 1:
+        return max(seq, own)
+    return seq + own + min((window - 1) * seq, 2 * (pp - 1 - r))
+
+
+def sequence_chunks(cfg: Config, length: int) -> int:
+    """Chunks of a sequence of ``length`` tokens (end-of-document included): ceil((length − 1) / chunk)
+    (``chunkflow/plan.py``)."""
+    return max(1, -(-(length - 1) // cfg.model.seq_length))
+
+
+def kv_store_bytes(cfg: Config, layers: int, length: int) -> float:
+    """One long sequence's ``chunkflow/state.py`` ``KVStore`` on a stage of ``layers`` blocks, one TP rank: every
+    layer's rotated k and v over the sequence's whole chunks (n·C positions, compute dtype) and their fp32 gradient
+    buffers (a sequence of one chunk has no store)."""
+    m = cfg.model
+    n = sequence_chunks(cfg, length)
+    if n < 2:
+        return 0.0
+    heads = max(1, m.kv_heads // cfg.parallel.tp)
+    return layers * heads * m.head_dim * n * m.seq_length * (2 * _elem(cfg) + 2 * 4)
+
+
+def chunkflow_estimate(
+    cfg: Config, split: list[int], vocab: int | None = None, dp: int = 1, longest: int | None = None
+) -> Plan:
+    """Per-stage memory of ``split`` under ``chunkflow.enabled`` (decision 1247): the state as for fixed windows;
+    the activations of ``chunks_held`` chunks, each one micro-batch of ``model.seq_length`` tokens (``estimate``'s
+    own count); the K/V stores of the sequences in progress, sized by the ``longest`` sequence (tokens; None: one
+    of K chunks, at least two: the shortest long sequence whose K chunks are all held); the inputs the earlier
+    chunks keep for their rerun; the loss layer's working set once. FLOPs are per chunk."""
+    cf, m, p = cfg.chunkflow, cfg.model, cfg.parallel
+    base = estimate(cfg, split, False, vocab, dp)
+    pp, elem = len(split), _elem(cfg)
+    longest = longest or max(2, cf.max_chunks_in_memory) * m.seq_length + 1
+    n = sequence_chunks(cfg, longest)
+    window = cf.sequences_in_flight if cf.pipeline_schedule == "state_aware" else 1
+    # independent chunks a rank can hold: its sequences but the long one(s); under dp the ranks balance tokens, not
+    # counts, so one rank may take all the short ones
+    singles = max(0, cfg.train.global_batch_size - window) if n > 1 else cfg.train.global_batch_size
+    hidden = m.seq_length * m.hidden_size * elem / p.sp_shards
+    notes = []
+    for r, s in enumerate(base.stages):
+        held = chunks_held(cf.pipeline_schedule, pp, r, cf.max_chunks_in_memory, n, window, singles)
+        seqs = window if r < pp - 1 else 1  # the last stage ends one sequence before it starts the next
+        kv = seqs * kv_store_bytes(cfg, s.layers, longest)
+        rerun = seqs * (n - min(n, cf.max_chunks_in_memory)) * hidden if r else 0.0  # received inputs, kept
+        s.act_gib, s.kv_gib = held * s.mb_act_gib + s.loss_gib + (kv + rerun) / GIB, kv / GIB
+        note = f"stage {r}: {held} chunks held x {s.mb_act_gib:.3f} + K/V store {kv / GIB:.3f}"
+        note += f" + loss {s.loss_gib:.3f}" if s.loss_gib else ""
+        notes.append(note + (f" + rerun inputs {rerun / GIB:.3f}" if rerun else "") + " GiB")
+    order = cf.pipeline_schedule + (
+        f", {window} sequence(s) in flight" if cf.pipeline_schedule == "state_aware" else ""
+    )
+    base.name = (
+        f"ChunkFlow: chunks of {m.seq_length}, K={cf.max_chunks_in_memory}, longest sequence {longest} tokens "
+        f"({n} chunks), {order}"
+    )
+    base.notes = notes
+    return base
 
 
 def embedding_shares(cfg: Config, split: list[int], vocab: int | None = None, dp: int = 1) -> list[float]:
@@ -333,7 +429,9 @@ def resolve_layer_split(cfg: Config, vocab: int, dp: int) -> AutoSplit | None:
     return choice
 
 
-def format_plan(plan: Plan, anchor: Plan) -> str:
+def format_plan(plan: Plan, anchor: Plan | None) -> str:
+    """The plan's table; ``anchor``: the plan whose pipeline step the summary compares against (None: a ChunkFlow
+    estimate, whose step has as many chunks as the step's sequences make: memory only, and what it counts)."""
     lines = [f"({plan.name}) parallel.layer_split={plan.split}"]
     lines.append(
         f"{'stage':>5} {'layers':>6} {'extra':>14} {'GFLOP/mb':>10} {'params M':>9} {'w+g+adam GiB':>12} "
@@ -345,6 +443,8 @@ def format_plan(plan: Plan, anchor: Plan) -> str:
             f"{s.act_gib:>8.3f} {s.mem_gib:>9.3f}"
         )
     peak = max(s.mem_gib for s in plan.stages)
+    if anchor is None:
+        return "\n".join([*lines, *(f"  {n}" for n in plan.notes), f"peak memory {peak:.3f} GiB"])
     lines.append(
         f"max stage {plan.max_flops / 1e9:.2f} GFLOP/mb, pipeline step ≈ {plan.step_flops / 1e9:.1f} GFLOP-slots "
         f"({plan.step_flops / anchor.step_flops:.3f}x of (a)), peak memory {peak:.3f} GiB"
@@ -372,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.pp=4 model.vocab_size=128000")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size (sets micro-batches per step)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size when model.vocab_size is null")
+    ap.add_argument("--longest", type=int, default=None, help="chunkflow.enabled: the data's longest sequence (tokens)")
     a = parse_with_overrides(ap, list(sys.argv[1:] if argv is None else argv))
     path, overrides = a.config, list(a.overrides)
     if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
@@ -381,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate(cfg.parallel.tp * cfg.parallel.pp * a.dp, devices=False)  # no CUDA needed: it is arithmetic
         if cfg.parallel.virtual_stages > 1:
             raise ConfigError("megasparse plan models plain 1F1B stages; plan with parallel.virtual_stages=1")
+        if cfg.chunkflow.enabled:
+            return _chunkflow_main(cfg, a.vocab, a.dp, a.longest)
         pa, pb, pc = plans(cfg, a.vocab, a.dp)
     except ConfigError as e:
         print(f"megasparse: error: {e}", file=sys.stderr)
@@ -402,6 +505,32 @@ def main(argv: list[str] | None = None) -> int:
     if pc.emb_shares is not None:
         print(f"with vocab_over_pp the input embedding is split {[round(x, 3) for x in pc.emb_shares]} over the stages "
               "(loss.embedding_pp_split; null = this planner's memory balance)")  # fmt: skip
+    return 0
+
+
+def _chunkflow_main(cfg: Config, vocab: int | None, dp: int, longest: int | None) -> int:
+    """``megasparse plan`` under ``chunkflow.enabled``: the configured (or even) split's ChunkFlow estimate, and the
+    fixed windows' peak beside it."""
+    from megasparse.chunkflow.config import known_longest
+
+    p, cf = cfg.parallel, cfg.chunkflow
+    split = list(p.layer_split) if isinstance(p.layer_split, list) else even_split(cfg.model.num_layers, p.pp)
+    longest = longest or known_longest(cfg)
+    plan = chunkflow_estimate(cfg, split, vocab, dp, longest)
+    fixed = max(s.mem_gib for s in estimate(cfg, split, False, vocab, dp).stages)
+    print(
+        f"megasparse plan: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, vocab {_vocab(cfg, vocab)}, "
+        f"ChunkFlow chunks of {cfg.model.seq_length}, tp {p.tp} x pp {p.pp} x dp {dp}, loss.impl={cfg.loss.impl} "
+        "(per TP rank; GFLOP per chunk)"
+    )
+    print()
+    print(format_plan(plan, None))
+    if longest is None:
+        print(
+            f"the longest sequence is not known from the config: assumed {max(2, cf.max_chunks_in_memory)} chunks; "
+            "pass --longest N (the data's longest, tokens) or set chunkflow.max_sequence_length"
+        )
+    print(f"fixed windows of {cfg.model.seq_length} tokens (1F1B, chunkflow.enabled=false): peak {fixed:.3f} GiB")
     return 0
 
 

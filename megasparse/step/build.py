@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megasparse.banner import RunFacts
 from megasparse.chunkflow.config import ChunkFlowConfig
+from megasparse.chunkflow.data import longest_sequence
 from megasparse.configbase import ConfigError
 from megasparse.filtering.component import TokenFilter
 from megasparse.fp8.converter import Fp8Converter, fp8_from_config
@@ -117,10 +118,11 @@ def run_facts(trainer) -> RunFacts:
     t = trainer
     world = dist.get_world_size() if dist.is_initialized() else 1
     kept = None if t.filter is None else t.filter.kept_rows
-    opt = t.dp_opt
+    opt, cf = t.dp_opt, t.chunkflow
     return RunFacts(
         world, t.dp, t.vocab, t.vocab_padded, t.device, t.compute_dtype, t.num_mb, kept,
         opt.state_bytes() / 2**20, opt.sharded, t.graphs.blocker,
+        None if cf is None else longest_sequence(cf.source, cf.max_length),
     )  # fmt: skip
 
 
