@@ -66,7 +66,9 @@ and prints the table last.
 
 Memory fit on a smaller card: ``--gpu-memory-gib 79.1`` caps each rank's allocator as an 80 GB H100 would (on an
 H200, whose 141 GB hold packing with selective recompute at S = 32768), so a mode that would not fit runs out of
-memory; the JSON records the cap (``memory_cap_gib``) and ``PYTORCH_CUDA_ALLOC_CONF``.
+memory; the JSON records the cap (``memory_cap_gib``) and ``PYTORCH_CUDA_ALLOC_CONF``. The cap counts the allocator
+only: on the 80 GB card the CUDA context and NCCL's buffers come out of the same memory, so a peak close to the cap
+is not proven to fit there.
 """
 
 from __future__ import annotations
@@ -398,7 +400,8 @@ def plan(a: argparse.Namespace, lay: dict, world: int) -> list[dict]:
 def memory_cap(gib: float | None) -> float | None:
     """``--gpu-memory-gib``: cap this process's CUDA allocator at ``gib`` (an 80 GB card's fit, asked on a larger
     one: ``set_per_process_memory_fraction``; an allocation past it raises out-of-memory as the smaller card
-    would). None or at least the card's size: no cap."""
+    would, though the smaller card also loses the CUDA context and NCCL's buffers, which the cap does not count).
+    None or at least the card's size: no cap."""
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     if gib is None or gib >= total:
         return None
