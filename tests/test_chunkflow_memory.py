@@ -151,3 +151,15 @@ def test_plan_prints_chunkflows_estimate(capsys) -> None:
     assert "fixed windows of 8192 tokens (1F1B, chunkflow.enabled=false): peak 53.477 GiB" in out
     assert main(args) == 0
     assert "pass --longest N" in capsys.readouterr().out
+
+
+def test_plan_truncates_longest_to_the_configured_limit(capsys) -> None:
+    """``--longest`` is the data's longest document; a run truncates it to ``chunkflow.max_sequence_length``
+    (``data/sequences.py``), as the banner's ``longest_sequence`` does, so the plan sizes the held chunks and the K/V
+    store by the truncated length."""
+    from megasparse.parallel.planner import main
+
+    args = [str(ROOT / WHOLE), *CHUNKS, "data.prefix=corpus", "train.global_batch_size=8"]
+    assert main([*args, "chunkflow.max_sequence_length=16385", "--longest", str(LONGEST)]) == 0
+    out = capsys.readouterr().out
+    assert "longest sequence 16385 tokens (2 chunks)" in out and "K/V store 1.500 GiB" in out, out

@@ -511,11 +511,12 @@ def main(argv: list[str] | None = None) -> int:
 def _chunkflow_main(cfg: Config, vocab: int | None, dp: int, longest: int | None) -> int:
     """``megasparse plan`` under ``chunkflow.enabled``: the configured (or even) split's ChunkFlow estimate, and the
     fixed windows' peak beside it."""
-    from megasparse.chunkflow.config import known_longest
+    from megasparse.chunkflow.config import known_longest, sequence_limit
 
     p, cf = cfg.parallel, cfg.chunkflow
     split = list(p.layer_split) if isinstance(p.layer_split, list) else even_split(cfg.model.num_layers, p.pp)
-    longest = longest or known_longest(cfg)
+    limit = sequence_limit(cfg)  # the run truncates longer documents to it (data/sequences.py), as the banner counts
+    longest = min(longest, limit or longest) if longest else known_longest(cfg)
     plan = chunkflow_estimate(cfg, split, vocab, dp, longest)
     fixed = max(s.mem_gib for s in estimate(cfg, split, False, vocab, dp).stages)
     print(
