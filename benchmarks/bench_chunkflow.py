@@ -284,6 +284,10 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
         "real_tokens_per_s_per_gpu": real / step_s / world,
         "padding_share": max(0.0, 1 - real / slots) if mode == MCORE else 0.0,
         "mem_gib": None if any(math.isnan(m) for m in mems) else max(mems),
+        "mem_gib_per_rank": None if any(math.isnan(m) for m in mems) else mems,  # which stage peaks (decision 1247)
+        "recompute": cfg.model.recompute,  # mcore-fixed's too: the anchor maps full to Megatron-LM's full recompute
+        "max_chunks_in_memory": cfg.chunkflow.max_chunks_in_memory if cfg.chunkflow.enabled else None,
+        "pack_tails": cfg.chunkflow.pack_tails if cfg.chunkflow.enabled else None,
         "seq_length": cfg.model.seq_length,
         "global_batch_size": cfg.train.global_batch_size,
         "chunk_fill": r["chunk_fill"],  # ChunkFlow: real / label slots of its chunks (decision 1233); else None

@@ -40,6 +40,9 @@ def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
     assert by["chunkflow"]["global_batch_size"] > 2 * by["padded"]["global_batch_size"]
     assert 0.5 < by["chunkflow"]["real_tokens_per_step"] / by["padded"]["real_tokens_per_step"] < 2
     assert 0.5 < by["chunkflow"]["chunk_fill"] <= 1 and by["padded"]["chunk_fill"] is None
+    # what each row ran with is in the row: recompute, K and tails (ChunkFlow only)
+    assert by["padded"]["recompute"] == "none" and by["padded"]["max_chunks_in_memory"] is None
+    assert by["chunkflow"]["max_chunks_in_memory"] == 2 and by["chunkflow"]["pack_tails"] is False
     # packing has no padding: every input position of the global batch is a real token
     causal = by["padded/causal"]
     assert causal["real_tokens_per_step"] == 4 * 128 and causal["padding_share"] == 0.0
