@@ -43,6 +43,9 @@ Modes, each on the same data and model, every rank in the same process group:
   average (``--chunkflow-batch``, :func:`chunkflow_batch`): both then take optimizer steps of the same size, and
   the pipeline gets as many chunks per step as packing gets windows' worth. ``mcore-fixed`` keeps the layout's
   global batch (its time per real token does not depend on it: every sequence is its own padded micro-batch).
+* ``chunkflow/tails``: ``chunkflow`` with ``chunkflow.pack_tails=true`` (decision 1233: short sequences fill the long
+  ones' last chunks), so both settings time in one call; on CUDA its FlexAttention variants compile before the
+  warm-up step (``tail_compile_s``). Not in the default lists.
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
 ``chunkflow`` when ``--modes`` has it; the modes it names run even if ``--modes`` lacks them) at the others, each on
@@ -125,7 +128,8 @@ LAYOUTS: dict[str, dict] = {
     "cpu_tiny": dict(config="configs/cpu_toy.yaml", ranks=1, overrides=_TINY, max_length=128, docs=1500),
 }
 MODES = ("mcore-fixed", "padded", "chunkflow")
-EXTRA_MODES = ("padded/causal", "padded/selective", "padded/full")
+EXTRA_MODES = ("padded/causal", "padded/selective", "padded/full", "chunkflow/tails")
+CHUNKED = ("chunkflow", "chunkflow/tails")  # ChunkFlow's rows: whole sequences per step, chunks of --chunk-size
 PACKED = ("padded", "padded/selective", "padded/full")  # packing with document attention: vs_padded's reference
 MCORE = "mcore-fixed"
 
@@ -156,6 +160,7 @@ def mode_overrides(mode: str, a: argparse.Namespace, batch: int | None = None) -
         "padded/full": ["data.document_attention=true", "model.recompute=full"],
         "padded/causal": [],
         "chunkflow": chunkflow_overrides(a, batch) if a.chunk_size else [],
+        "chunkflow/tails": [*chunkflow_overrides(a, batch), "chunkflow.pack_tails=true"] if a.chunk_size else [],
     }[mode]
 
 
@@ -385,10 +390,10 @@ def plan(a: argparse.Namespace, lay: dict, world: int) -> list[dict]:
         modes = a.modes if i == 0 else a.longer_modes
         train, _, _ = build_sequence_datasets(base_cfg.data, s, vocab)  # read once: the batch and the report
         dp = world // (base_cfg.parallel.tp * base_cfg.parallel.pp)
-        batch = chunkflow_batch(a, base_cfg, train.lengths, dp) if "chunkflow" in modes else None
+        batch = chunkflow_batch(a, base_cfg, train.lengths, dp) if set(CHUNKED) & set(modes) else None
         cfgs, unavailable = {}, {}
         for m in modes:
-            if m == "chunkflow" and not a.chunk_size:
+            if m in CHUNKED and not a.chunk_size:
                 unavailable[m] = "not available: --chunk-size 0"
                 continue
             try:
