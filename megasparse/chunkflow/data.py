@@ -63,5 +63,5 @@ def longest_sequence(source, max_length: int | None) -> int | None:
     longest = max_length or getattr(source, "max_length", None)
     lengths = getattr(source, "lengths", None)
     if lengths is not None and len(lengths):
-        longest = min(longest or 1 << 62, int(max(lengths)))
+        longest = min(longest or 1 << 62, int(np.max(lengths)))
     return longest
