@@ -129,7 +129,7 @@ def _memory_line(cfg: Config, f: RunFacts) -> str | None:
     total = device_mem_gib(f.device) if f.device.type == "cuda" else None
     if total is None or p.virtual_stages > 1 or (p.auto_split is not None and not cf.enabled):
         return None
-    split = p.layer_split or planner.even_split(cfg.model.num_layers, p.pp)
+    split = planner.configured_split(cfg)
     try:
         if cf.enabled:
             plan = planner.chunkflow_estimate(cfg, split, f.vocab, f.dp, f.longest_sequence or known_longest(cfg))

@@ -396,6 +396,12 @@ def even_split(layers: int, pp: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(pp)]
 
 
+def configured_split(cfg: Config) -> list[int]:
+    """The layers per stage the config names, else (null or ``auto``) the even split."""
+    p = cfg.parallel
+    return list(p.layer_split) if isinstance(p.layer_split, list) else even_split(cfg.model.num_layers, p.pp)
+
+
 def against_even(cfg: Config, split: list[int], vocab: int | None = None, dp: int = 1) -> AutoSplit:
     """``split`` against the even split, both with the run's vocabulary placement (``loss.vocab_over_pp``, its
     embedding shares as the run would build them): the estimated share of the step saved and the fullest stage's
@@ -455,8 +461,7 @@ def format_plan(plan: Plan, anchor: Plan | None) -> str:
 def plans(cfg: Config, vocab: int | None = None, dp: int = 1) -> tuple[Plan, Plan, Plan]:
     """(a) configured/even split with the vocabulary on the last stage, (b) its best split, (c) vocab_over_pp."""
     p = cfg.parallel
-    configured = list(p.layer_split) if isinstance(p.layer_split, list) else even_split(cfg.model.num_layers, p.pp)
-    a = estimate(cfg, configured, False, vocab, dp)
+    a = estimate(cfg, configured_split(cfg), False, vocab, dp)
     a.name = f"a: {'even' if p.layer_split == AUTO else 'configured'} split, vocabulary on the last stage"
     b = estimate(cfg, best_split(cfg, False, vocab, dp), False, vocab, dp)
     b.name = "b: recommended split, vocabulary on the last stage"
@@ -514,7 +519,7 @@ def _chunkflow_main(cfg: Config, vocab: int | None, dp: int, longest: int | None
     from megasparse.chunkflow.config import known_longest, sequence_limit
 
     p, cf = cfg.parallel, cfg.chunkflow
-    split = list(p.layer_split) if isinstance(p.layer_split, list) else even_split(cfg.model.num_layers, p.pp)
+    split = configured_split(cfg)
     limit = sequence_limit(cfg)  # the run truncates longer documents to it (data/sequences.py), as the banner counts
     longest = min(longest, limit or longest) if longest else known_longest(cfg)
     plan = chunkflow_estimate(cfg, split, vocab, dp, longest)
