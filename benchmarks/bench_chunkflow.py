@@ -484,6 +484,7 @@ def run(a: argparse.Namespace) -> int:
                 traceback.print_exc()
                 bt._free()
                 rep["cases"].append({"mode": mode, "max_length": s, "error": f"{type(e).__name__}: {e}"})
+                write_report(out, rep, partial=True)  # a later case may not finish: the failure is on file now
                 ok = False
                 continue
             row = case_row(mode, run_["cfgs"][mode], r, world, s)

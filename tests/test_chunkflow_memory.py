@@ -81,13 +81,18 @@ def test_kv_store_follows_state_py() -> None:
     assert kv_store_bytes(cfg, 16, 8194) == 16 * 4 * 128 * 16384 * 12
 
 
-@pytest.mark.parametrize(("path", "keep", "measured"), [(WHOLE, 2, 77.1), (WHOLE, 1, 67.7), (EIGHT, 2, 23.3)])
-def test_estimate_against_the_gpu(path: str, keep: int, measured: float) -> None:
-    """Peak allocated, max over the ranks, on four H200s (TP 2 x PP 2 + SP, chunks of 8192, longest 32762 tokens,
-    state-aware, one sequence in flight; 2026-11-27, the whole 8B with the allocator capped at 79.1 GiB): the
-    estimate's fullest stage, the first, is 0.3-1.1 GiB below it (decision 1247)."""
+@pytest.mark.parametrize(
+    ("path", "keep", "chunk", "measured"),
+    [(WHOLE, 2, 8192, 77.1), (WHOLE, 1, 8192, 67.7), (EIGHT, 2, 8192, 23.3), (WHOLE, 5, 4096, 71.74)],
+)
+def test_estimate_against_the_gpu(path: str, keep: int, chunk: int, measured: float) -> None:
+    """Peak allocated, max over the ranks (TP 2 x PP 2 + SP, longest 32762 tokens, state-aware, one sequence in
+    flight): chunks of 8192 on four H200s (2026-11-27, the whole 8B with the allocator capped at 79.1 GiB), chunks of
+    4096 at K = 5 on four H100s (2026-11-28). The estimate's fullest stage, the first, is 0.03-1.1 GiB below it
+    (decision 1247)."""
     split = [16, 16] if path == WHOLE else [4, 4]
-    plan = chunkflow_estimate(_cfg(path, f"chunkflow.max_chunks_in_memory={keep}"), split, None, 1, LONGEST)
+    ov = [f"chunkflow.max_chunks_in_memory={keep}", f"model.seq_length={chunk}"]
+    plan = chunkflow_estimate(_cfg(path, *ov), split, None, 1, LONGEST)
     peak = max(s.mem_gib for s in plan.stages)
     assert max(range(2), key=lambda r: plan.stages[r].mem_gib) == 0
     assert measured - 1.1 < peak < measured, (peak, measured, plan.notes)
