@@ -13,6 +13,7 @@ from megasparse.chunkflow.config import chunkflow_line, known_longest
 from megasparse.config import Config
 from megasparse.loss.config import resolve_impl
 from megasparse.metrics import device_mem_gib, param_counts, short_count
+from megasparse.parallel.planner import MEMORY_SHARE
 
 __all__ = ["RunFacts", "format_banner"]
 
@@ -111,14 +112,6 @@ def _split_line(cfg: Config, f: RunFacts) -> str | None:
     )
 
 
-MEMORY_SHARE = 0.92
-"""Share of the GPU's memory above which the banner warns that the configured layout may not fit. The planner
-counts what each op keeps (decision 1244; within 0.6 GiB of four H100s' first stage at seq 4096, 2026-11-27) but not
-the CUDA context and NCCL's buffers (~2 GiB) nor the allocator's fragmentation (up to 2 GiB): on 80 GB cards the
-whole 8B at seq 8192 ran at an estimate of 72.0 GiB (dense, selective recompute) and ran out of memory at 73.2 (fp8,
-selective, ``train.fp8_keep_transpose=false``)."""
-
-
 def _memory_line(cfg: Config, f: RunFacts) -> str | None:
     """On CUDA, a warning when the planner puts the fullest stage of the configured split over ``MEMORY_SHARE`` of
     this GPU, with the levers that bring it down; else None. ``auto``'s split warns on its own line."""
@@ -143,7 +136,8 @@ def _memory_line(cfg: Config, f: RunFacts) -> str | None:
     if cf.enabled:
         return (
             f"WARNING: est. {peak:.1f} GiB on the fullest stage of this {total:.0f} GiB GPU ({plan.name}; megasparse "
-            f"plan CONFIG --longest N); if it runs out of memory: {', '.join(_chunkflow_levers(cfg, plan))}"
+            f"plan CONFIG --longest N); if it runs out of memory: "
+            f"{', '.join(_chunkflow_levers(cfg, plan, f, split, MEMORY_SHARE * total))}"
         )
     levers = []
     if cfg.model.recompute != "full":
@@ -159,13 +153,26 @@ def _memory_line(cfg: Config, f: RunFacts) -> str | None:
     )
 
 
-def _chunkflow_levers(cfg: Config, plan) -> list[str]:
-    """``_memory_line``'s levers under ChunkFlow (decision 1247): fewer chunks held, smaller chunks, one sequence in
-    flight, a shorter longest sequence when its K/V store weighs; not ``model.recompute=full``, which ChunkFlow
-    refuses (it recomputes whole chunks itself)."""
+def _chunkflow_levers(cfg: Config, plan, f: RunFacts, split: list[int], budget: float) -> list[str]:
+    """``_memory_line``'s levers under ChunkFlow (decision 1247): first, when the longest sequence is known, the chunk
+    size and K that fit ``budget`` with the fewest reruns (``planner.chunkflow_choices``); fewer chunks held, smaller
+    chunks, one sequence in flight, a shorter longest sequence when its K/V store weighs; not
+    ``model.recompute=full``, which ChunkFlow refuses (it recomputes whole chunks itself)."""
+    from megasparse.parallel import planner
+
     cf = cfg.chunkflow
     fullest = max(plan.stages, key=lambda s: s.mem_gib)
     levers = []
+    longest = f.longest_sequence or known_longest(cfg)
+    if longest:
+        fits = planner.chunkflow_choices(cfg, split, f.vocab, f.dp, longest, budget)
+        if fits:
+            c = fits[0]
+            now = (planner.sequence_chunks(cfg, longest) - cf.max_chunks_in_memory) * cfg.model.seq_length
+            levers.append(
+                f"model.seq_length={c.chunk} chunkflow.max_chunks_in_memory={c.keep} (est. {c.mem_gib:.1f} GiB; "
+                f"the longest sequence reruns {c.rerun_tokens} tokens, now {max(0, now)})"
+            )
     if cf.max_chunks_in_memory > 1:
         levers.append(
             f"chunkflow.max_chunks_in_memory=1 (now {cf.max_chunks_in_memory}; {fullest.mb_act_gib:.1f} GiB a chunk "

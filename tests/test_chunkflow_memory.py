@@ -131,13 +131,17 @@ def test_banner_warns_by_chunkflows_estimate(monkeypatch) -> None:
     line = banner._memory_line(_cfg(WHOLE), _facts(LONGEST))
     assert line.startswith("WARNING: est. 76.8 GiB on the fullest stage of this 79 GiB GPU (ChunkFlow"), line
     assert "chunkflow.max_chunks_in_memory=1 (now 2" in line and "model.seq_length, now 8192" in line, line
+    # first the choice that fit four real H100s (2026-11-28): chunks of 4096 at K = 5, fewer reruns than now
+    best = "model.seq_length=4096 chunkflow.max_chunks_in_memory=5 (est. 71.7 GiB; the longest sequence reruns 12288"
+    assert line.split("if it runs out of memory: ")[1].startswith(best + " tokens, now 16384)"), line
     assert "expandable_segments:True" in line and "recompute" not in line and "sequences_in_flight" not in line
     assert "max_sequence_length" not in line  # 3 GiB of K/V: not the lever here
     assert "  memory     WARNING" in banner.format_banner(_cfg(WHOLE), _facts(LONGEST))
     assert banner._memory_line(_cfg(WHOLE, "chunkflow.max_chunks_in_memory=1"), _facts(LONGEST)) is None
     two = banner._memory_line(_cfg(WHOLE, "chunkflow.max_chunks_in_memory=1", "chunkflow.sequences_in_flight=2"),
                               _facts(LONGEST))  # fmt: skip
-    assert "chunkflow.sequences_in_flight=1 (now 2)" in two and "max_chunks_in_memory" not in two, two
+    assert "chunkflow.sequences_in_flight=1 (now 2)" in two and "max_chunks_in_memory=1 (now" not in two, two
+    assert "model.seq_length=4096 chunkflow.max_chunks_in_memory=2 (est. 69.6 GiB" in two, two
     stand_in = banner._memory_line(_cfg(WHOLE, "chunkflow.max_chunks_in_memory=1"), _facts(None))
     assert "524288 tokens" in stand_in and "chunkflow.max_sequence_length (its K/V store: 48.0 GiB)" in stand_in
     assert banner._memory_line(_cfg(WHOLE), _facts(LONGEST, "cpu")) is None
@@ -168,3 +172,33 @@ def test_plan_truncates_longest_to_the_configured_limit(capsys) -> None:
     assert main([*args, "chunkflow.max_sequence_length=16385", "--longest", str(LONGEST)]) == 0
     out = capsys.readouterr().out
     assert "longest sequence 16385 tokens (2 chunks)" in out and "K/V store 1.500 GiB" in out, out
+
+
+def test_chunkflow_choices_fit_the_budget_with_fewest_reruns() -> None:
+    """Per chunk size (the configured one and its half), the largest K under the budget, fewest reruns first: on an
+    80 GB card's 92% the measured fit (4096, K = 5) comes before 8192 at K = 1; a K one larger passes the budget; on
+    a 141 GB card both chunk sizes keep every chunk; a budget below the weights finds none."""
+    from megasparse.parallel.planner import chunkflow_choices
+
+    cfg = _cfg(WHOLE)
+    fits = chunkflow_choices(cfg, [16, 16], None, 1, LONGEST, 0.92 * 79.2)
+    assert [(c.chunk, c.keep, c.rerun_tokens) for c in fits] == [(4096, 5, 12288), (8192, 1, 24576)]
+    assert all(c.mem_gib <= 0.92 * 79.2 for c in fits)
+    over = chunkflow_estimate(_cfg(WHOLE, "model.seq_length=4096", "chunkflow.max_chunks_in_memory=6"), [16, 16],
+                              None, 1, LONGEST)  # fmt: skip
+    assert max(s.mem_gib for s in over.stages) > 0.92 * 79.2
+    big = chunkflow_choices(cfg, [16, 16], None, 1, LONGEST, 0.92 * 139.8)
+    assert [(c.chunk, c.keep, c.rerun_tokens) for c in big] == [(8192, 4, 0), (4096, 8, 0)]
+    assert chunkflow_choices(cfg, [16, 16], None, 1, LONGEST, 30.0) == []
+
+
+def test_plan_prints_what_fits_a_gpu(capsys) -> None:
+    from megasparse.parallel.planner import main
+
+    args = [str(ROOT / WHOLE), *CHUNKS, "data.prefix=corpus", "train.global_batch_size=8", "--longest", str(LONGEST)]
+    assert main([*args, "--gpu-gib", "79.2"]) == 0
+    out = capsys.readouterr().out
+    assert "fit 72.9 GiB (92% of 79.2; fewest reruns" in out, out
+    assert "  model.seq_length=4096 chunkflow.max_chunks_in_memory=5: est. 71.7 GiB, 12288 tokens rerun" in out
+    assert main([*args, "--gpu-gib", "30"]) == 0
+    assert "none at this chunk size or its half" in capsys.readouterr().out

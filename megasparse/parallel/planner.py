@@ -18,7 +18,8 @@ absolute times. ``parallel.layer_split: auto`` trains (b)'s split, or (c)'s unde
 
 Under ``chunkflow.enabled`` the same per-stage terms give ChunkFlow's memory (``chunkflow_estimate``, decision 1247):
 the activations of the chunks a stage holds at once under its pipeline order, each one micro-batch, plus the K/V
-store of the sequences in progress; ``megasparse plan`` prints it and the start banner warns by it.
+store of the sequences in progress; ``megasparse plan`` prints it and the start banner warns by it. With a GPU's
+memory (``--gpu-gib``) ``chunkflow_choices`` names the chunk sizes and K that fit, fewest reruns first.
 
 Why this file is long: one home for the analytic stage model; the fixed-window plans and ChunkFlow's estimate share
 its per-op activation and state counts, which must not drift apart in two files.
@@ -336,6 +337,54 @@ def chunkflow_estimate(
     return base
 
 
+MEMORY_SHARE = 0.92
+"""Share of the GPU's memory above which the banner warns that the configured layout may not fit. The planner
+counts what each op keeps (decision 1244; within 0.6 GiB of four H100s' first stage at seq 4096, 2026-11-27) but not
+the CUDA context and NCCL's buffers (2-3.5 GiB) nor the allocator's fragmentation (up to 2 GiB): on 80 GB cards the
+whole 8B at seq 8192 ran at an estimate of 72.0 GiB (dense, selective recompute) and ran out of memory at 73.2 (fp8,
+selective, ``train.fp8_keep_transpose=false``); under ChunkFlow it ran at 71.7 and ran out of memory at 76.8
+(2026-11-28)."""
+
+
+@dataclass
+class ChunkChoice:
+    """A chunk size and K that ``chunkflow_choices`` found to fit: its estimate and the longest sequence's rerun."""
+
+    chunk: int
+    keep: int
+    mem_gib: float
+    rerun_tokens: int
+
+
+def chunkflow_choices(
+    cfg: Config, split: list[int], vocab: int | None, dp: int, longest: int, budget_gib: float
+) -> list[ChunkChoice]:
+    """Per chunk size, the configured one and its half (one halving only: smaller chunks cost per slot, 5% from 8192
+    to 4096 on the whole 8B, four H100s, 2026-11-28), the largest K whose ``chunkflow_estimate`` fits ``budget_gib``;
+    fewest rerun tokens of the ``longest`` sequence ((chunks − K) x chunk) first, then the larger chunk. There, chunks
+    of 4096 at K = 5 (71.7 GiB, 12288 tokens rerun) fit where 8192 at K = 2 (76.8, 16384) did not."""
+    from dataclasses import replace
+
+    c0, tp = cfg.model.seq_length, cfg.parallel.tp
+    choices = []
+    for chunk in (c0, c0 // 2):
+        if chunk < 2 or (cfg.parallel.sequence_parallel and chunk % tp) or (chunk != c0 and chunk * 2 != c0):
+            continue
+        model = replace(cfg.model, seq_length=chunk)
+        n = sequence_chunks(replace(cfg, model=model), longest)
+        best = None
+        for keep in range(1, n + 1):
+            cf = replace(cfg.chunkflow, max_chunks_in_memory=keep, chunk_size=None)
+            plan = chunkflow_estimate(replace(cfg, model=model, chunkflow=cf), split, vocab, dp, longest)
+            mem = max(st.mem_gib for st in plan.stages)
+            if mem > budget_gib:
+                break
+            best = ChunkChoice(chunk, keep, mem, (n - keep) * chunk)
+        if best is not None:
+            choices.append(best)
+    return sorted(choices, key=lambda c: (c.rerun_tokens, -c.chunk))
+
+
 def embedding_shares(cfg: Config, split: list[int], vocab: int | None = None, dp: int = 1) -> list[float]:
     """Input-embedding fraction per stage under vocab_over_pp: the configured one, else water-filling.
 
@@ -478,6 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size (sets micro-batches per step)")
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size when model.vocab_size is null")
     ap.add_argument("--longest", type=int, default=None, help="chunkflow.enabled: the data's longest sequence (tokens)")
+    ap.add_argument(
+        "--gpu-gib",
+        type=float,
+        default=None,
+        help="chunkflow.enabled: GPU memory; print the chunk sizes and K that fit",
+    )
     a = parse_with_overrides(ap, list(sys.argv[1:] if argv is None else argv))
     path, overrides = a.config, list(a.overrides)
     if path is not None and "=" in path and not path.endswith((".yaml", ".yml")):
@@ -488,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.parallel.virtual_stages > 1:
             raise ConfigError("megasparse plan models plain 1F1B stages; plan with parallel.virtual_stages=1")
         if cfg.chunkflow.enabled:
-            return _chunkflow_main(cfg, a.vocab, a.dp, a.longest)
+            return _chunkflow_main(cfg, a.vocab, a.dp, a.longest, a.gpu_gib)
         pa, pb, pc = plans(cfg, a.vocab, a.dp)
     except ConfigError as e:
         print(f"megasparse: error: {e}", file=sys.stderr)
@@ -513,9 +568,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _chunkflow_main(cfg: Config, vocab: int | None, dp: int, longest: int | None) -> int:
+def _chunkflow_main(cfg: Config, vocab: int | None, dp: int, longest: int | None, gpu_gib: float | None) -> int:
     """``megasparse plan`` under ``chunkflow.enabled``: the configured (or even) split's ChunkFlow estimate, and the
-    fixed windows' peak beside it."""
+    fixed windows' peak beside it; with ``gpu_gib`` and a known longest sequence, the chunk sizes and K that fit
+    ``MEMORY_SHARE`` of it (``chunkflow_choices``)."""
     from megasparse.chunkflow.config import known_longest, sequence_limit
 
     p, cf = cfg.parallel, cfg.chunkflow
@@ -537,6 +593,15 @@ def _chunkflow_main(cfg: Config, vocab: int | None, dp: int, longest: int | None
             "pass --longest N (the data's longest, tokens) or set chunkflow.max_sequence_length"
         )
     print(f"fixed windows of {cfg.model.seq_length} tokens (1F1B, chunkflow.enabled=false): peak {fixed:.3f} GiB")
+    if gpu_gib is not None and longest is not None:
+        budget = MEMORY_SHARE * gpu_gib
+        fits = chunkflow_choices(cfg, split, vocab, dp, longest, budget)
+        print(f"fit {budget:.1f} GiB ({MEMORY_SHARE:.0%} of {gpu_gib:g}; fewest reruns of the longest sequence first):")
+        for c in fits:
+            print(f"  model.seq_length={c.chunk} chunkflow.max_chunks_in_memory={c.keep}: est. {c.mem_gib:.1f} GiB, "
+                  f"{c.rerun_tokens} tokens rerun")  # fmt: skip
+        if not fits:
+            print("  none at this chunk size or its half, even at K=1: a smaller chunk, or more model-parallel ranks")
     return 0
 
 
