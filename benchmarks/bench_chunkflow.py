@@ -17,8 +17,9 @@ first S's).
 
 Layouts: ``4gpu_8b`` (8 Llama-3-8B layers, TP 2 x PP 2 + SP, 8 windows per step; default modes ``mcore-fixed``,
 ``padded``, ``chunkflow``) and ``4gpu_8b32l`` (all 32 layers, the same layout and batch; default modes
-``mcore-fixed``, ``padded/full``, ``chunkflow``: at S = 32768 the packed windows need full recompute on 80 GB, the
-chunks of 8192 none).
+``mcore-fixed``, ``padded/full``, ``chunkflow``, and chunks of 4096 at K = 5: at S = 32768 the packed windows need
+full recompute on 80 GB; chunks of 8192 at K = 2 ran out of memory on four H100s, 4096 at K = 5 fit at 71.7 GiB, what
+``megasparse plan ... --gpu-gib 79.2`` names first).
 
 Modes, each on the same data and model, every rank in the same process group:
 
@@ -49,8 +50,8 @@ Modes, each on the same data and model, every rank in the same process group:
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
 ``chunkflow`` when ``--modes`` has it; the modes it names run even if ``--modes`` lacks them) at the others, each on
-its own set generated with that S (same shape, scaled) and the same chunk size (default: a quarter of the first S or
-of the layout's S, whichever is smaller: 8192 on ``4gpu_8b`` for S = 32768 and for a call with S = 65536 alone);
+its own set generated with that S (same shape, scaled) and the same chunk size (default: the layout's, else a quarter
+of the first S or of the layout's S, whichever is smaller: 8192 on ``4gpu_8b`` for S = 32768 and for S = 65536 alone);
 ``mem_vs_first_length`` is a row's peak memory over the same mode's at the first S (issue 30: ChunkFlow's within
 10% when S doubles).
 
@@ -112,10 +113,11 @@ _TINY = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "paral
          "data.valid_fraction=0.1"]  # fmt: skip
 LAYOUTS: dict[str, dict] = {
     # name: config, ranks, overrides, default maximum length S, default number of documents; optional: the default
-    # modes (``MODES``) and megatron-core's overrides (none)
+    # modes (``MODES``), megatron-core's overrides (none), the chunk size (S / 4) and K (2)
     "4gpu_8b": dict(config="configs/gpu_8b8l_tp2_pp2_sp.yaml", ranks=4, overrides=[], max_length=32768, docs=10000),
     # the whole Llama-3-8B: windows of 32K fit 80 GB only with full recompute (`megasparse plan`: 114 GiB without,
-    # 95 selective, 40 full at TP 2 x PP 2 + SP), megatron-core's too; ChunkFlow's chunks of 8192 need none
+    # 95 selective, 40 full at TP 2 x PP 2 + SP), megatron-core's too; ChunkFlow's chunks of 4096 at K = 5 need none
+    # (`megasparse plan ... --gpu-gib 79.2`; 8192 at K = 2 ran out of memory on four H100s, 2026-11-28)
     "4gpu_8b32l": dict(
         config="configs/gpu_8b_tp2_pp2_sp.yaml",
         ranks=4,
@@ -124,6 +126,8 @@ LAYOUTS: dict[str, dict] = {
         docs=10000,
         modes=("mcore-fixed", "padded/full", "chunkflow"),
         mcore=["model.recompute=full"],
+        chunk=4096,
+        keep=5,
     ),
     "cpu_tiny": dict(config="configs/cpu_toy.yaml", ranks=1, overrides=_TINY, max_length=128, docs=1500),
 }
@@ -514,9 +518,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="use this indexed dataset (with PREFIX.tokenizer.json) instead")
     p.add_argument("--data-dir", default=os.environ.get("MEGASPARSE_CACHE", "/tmp/megasparse-chunkflow"))
     p.add_argument(
-        "--chunk-size", type=int, default=None, help="chunkflow.chunk_size (default: min(S, layout S) / 4; 0: skip)"
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="chunkflow.chunk_size (layout's, else min(S, layout S) / 4; 0: skip)",
     )
-    p.add_argument("--max-chunks", type=int, default=2, help="chunkflow.max_chunks_in_memory")
+    p.add_argument("--max-chunks", type=int, default=None, help="chunkflow.max_chunks_in_memory (layout's, else 2)")
     p.add_argument("--chunkflow-batch", type=int, default=0, help="sequences per chunkflow step (0: padded's tokens)")
     p.add_argument("--in-flight", type=int, default=1, help="chunkflow.sequences_in_flight")
     p.add_argument(
@@ -535,7 +542,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     else:
         a.longer_modes = [m for m in a.longer_modes.split(",") if m]
     if a.chunk_size is None:  # one chunk size for every S and call: ChunkFlow's memory should not follow S
-        a.chunk_size = min(a.max_lengths[0], LAYOUTS[a.layout]["max_length"]) // 4
+        a.chunk_size = lay.get("chunk", min(a.max_lengths[0], lay["max_length"]) // 4)
+    if a.max_chunks is None:
+        a.max_chunks = lay.get("keep", 2)
     return a
 
 

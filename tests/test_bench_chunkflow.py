@@ -122,16 +122,17 @@ def test_every_mode_of_the_gpu_layout_is_a_valid_config_or_not_available() -> No
 
 def test_whole_8b_layout_packs_with_full_recompute_and_chunks_without() -> None:
     """4gpu_8b32l: the default rows are the ones that fit 80 GB at S = 32768 (the planner says so here, the GPU
-    call measures it), and megatron-core's anchor gets the same full recompute as the packed windows."""
+    call measures it: chunks of 4096 at K = 5), and megatron-core's anchor gets the same full recompute as the packed
+    windows."""
     import bench_chunkflow as bc
 
-    from megasparse.parallel.planner import estimate, even_split
+    from megasparse.parallel.planner import MEMORY_SHARE, chunkflow_choices, chunkflow_estimate, estimate, even_split
 
     def peak_gib(c) -> float:
         return max(st.mem_gib for st in estimate(c, even_split(32, 2), False, 128256).stages)
 
     a = bc.parse_args(["4gpu_8b32l", "train.device=auto", "parallel.backend=auto"])
-    assert a.modes == ["mcore-fixed", "padded/full", "chunkflow"] and a.chunk_size == 8192
+    assert a.modes == ["mcore-fixed", "padded/full", "chunkflow"] and (a.chunk_size, a.max_chunks) == (4096, 5)
     lay = bc.LAYOUTS["4gpu_8b32l"]
     cfgs = {m: bc._config(a, lay, "/nonexistent/longtail", 32768, bc.mode_overrides(m, a))[0] for m in bc.MODES}
     cfgs.update({m: bc._config(a, lay, "/nonexistent/longtail", 32768, bc.mode_overrides(m, a))[0]
@@ -140,9 +141,20 @@ def test_whole_8b_layout_packs_with_full_recompute_and_chunks_without() -> None:
         c.validate(4)
         assert c.model.num_layers == 32 and c.parallel.tp == 2 and c.parallel.pp == 2
     assert cfgs["mcore-fixed"].model.recompute == "full" and cfgs["padded/full"].model.recompute == "full"
-    assert cfgs["chunkflow"].model.recompute == "none" and cfgs["chunkflow"].model.seq_length == 8192
+    assert cfgs["chunkflow"].model.recompute == "none" and cfgs["chunkflow"].model.seq_length == 4096
+    assert cfgs["chunkflow"].chunkflow.max_chunks_in_memory == 5
     peak = {m: peak_gib(cfgs[m]) for m in ("padded", "padded/selective", "padded/full", "chunkflow")}
     assert peak["padded"] > peak["padded/selective"] > 80 > peak["padded/full"] and peak["chunkflow"] < 60, peak
+    # ChunkFlow's own estimate at the set's longest sequence: under the banner's share of an 80 GB card (measured
+    # 71.74 GiB on four H100s), and K = 6 would not
+    plan = chunkflow_estimate(cfgs["chunkflow"], even_split(32, 2), 128256, 1, 32762)
+    assert max(st.mem_gib for st in plan.stages) < MEMORY_SHARE * 79.2
+    fits = chunkflow_choices(cfgs["chunkflow"], even_split(32, 2), 128256, 1, 32762, MEMORY_SHARE * 79.2)
+    assert (4096, 5) in [(c.chunk, c.keep) for c in fits]  # the largest K of this chunk size that fits
     # the 8-layer layout keeps its defaults and no anchor recompute
     b = bc.parse_args(["4gpu_8b"])
-    assert b.modes == list(bc.MODES) and bc.mode_overrides("mcore-fixed", b) == []
+    assert (
+        (b.chunk_size, b.max_chunks) == (8192, 2)
+        and b.modes == list(bc.MODES)
+        and bc.mode_overrides("mcore-fixed", b) == []
+    )
