@@ -13,7 +13,7 @@ from megasparse.chunkflow.config import chunkflow_line, known_longest
 from megasparse.config import Config
 from megasparse.loss.config import resolve_impl
 from megasparse.metrics import device_mem_gib, param_counts, short_count
-from megasparse.parallel.planner import MEMORY_SHARE
+from megasparse.parallel import planner
 
 __all__ = ["RunFacts", "format_banner"]
 
@@ -88,7 +88,6 @@ def _split_line(cfg: Config, f: RunFacts) -> str | None:
     split when it balances the stages (the last one carries the output layer and its loss, worth blocks at a large
     vocabulary) by an estimated ≥ 2% of the step; else None."""
     from megasparse.configbase import ConfigError
-    from megasparse.parallel import planner
 
     p = cfg.parallel
     if p.auto_split is not None:
@@ -113,31 +112,32 @@ def _split_line(cfg: Config, f: RunFacts) -> str | None:
 
 
 def _memory_line(cfg: Config, f: RunFacts) -> str | None:
-    """On CUDA, a warning when the planner puts the fullest stage of the configured split over ``MEMORY_SHARE`` of
-    this GPU, with the levers that bring it down; else None. ``auto``'s split warns on its own line."""
+    """On CUDA, a warning when the planner puts the fullest stage of the configured split over
+    ``planner.MEMORY_SHARE`` of this GPU, with the levers that bring it down; else None. ``auto``'s split warns on its
+    own line."""
     from megasparse.configbase import ConfigError
-    from megasparse.parallel import planner
 
     p, cf = cfg.parallel, cfg.chunkflow
     total = device_mem_gib(f.device) if f.device.type == "cuda" else None
     if total is None or p.virtual_stages > 1 or (p.auto_split is not None and not cf.enabled):
         return None
     split = planner.configured_split(cfg)
+    longest = f.longest_sequence or known_longest(cfg)
     try:
         if cf.enabled:
-            plan = planner.chunkflow_estimate(cfg, split, f.vocab, f.dp, f.longest_sequence or known_longest(cfg))
+            plan = planner.chunkflow_estimate(cfg, split, f.vocab, f.dp, longest)
         else:
             plan = planner.estimate(cfg, split, cfg.loss.vocab_over_pp, f.vocab, f.dp)
     except (ConfigError, ValueError, ZeroDivisionError):  # a hint never stops a run from starting
         return None
     peak = max(s.mem_gib for s in plan.stages)
-    if peak <= MEMORY_SHARE * total:
+    if peak <= planner.MEMORY_SHARE * total:
         return None
     if cf.enabled:
         return (
             f"WARNING: est. {peak:.1f} GiB on the fullest stage of this {total:.0f} GiB GPU ({plan.name}; megasparse "
             f"plan CONFIG --longest N); if it runs out of memory: "
-            f"{', '.join(_chunkflow_levers(cfg, plan, f, split, MEMORY_SHARE * total))}"
+            f"{', '.join(_chunkflow_levers(cfg, plan, f, split, longest, planner.MEMORY_SHARE * total))}"
         )
     levers = []
     if cfg.model.recompute != "full":
@@ -153,25 +153,24 @@ def _memory_line(cfg: Config, f: RunFacts) -> str | None:
     )
 
 
-def _chunkflow_levers(cfg: Config, plan, f: RunFacts, split: list[int], budget: float) -> list[str]:
+def _chunkflow_levers(
+    cfg: Config, plan, f: RunFacts, split: list[int], longest: int | None, budget: float
+) -> list[str]:
     """``_memory_line``'s levers under ChunkFlow (decision 1247): first, when the longest sequence is known, the chunk
     size and K that fit ``budget`` with the fewest reruns (``planner.chunkflow_choices``); fewer chunks held, smaller
     chunks, one sequence in flight, a shorter longest sequence when its K/V store weighs; not
     ``model.recompute=full``, which ChunkFlow refuses (it recomputes whole chunks itself)."""
-    from megasparse.parallel import planner
 
     cf = cfg.chunkflow
     fullest = max(plan.stages, key=lambda s: s.mem_gib)
     levers = []
-    longest = f.longest_sequence or known_longest(cfg)
     if longest:
         fits = planner.chunkflow_choices(cfg, split, f.vocab, f.dp, longest, budget)
         if fits:
             c = fits[0]
-            now = (planner.sequence_chunks(cfg, longest) - cf.max_chunks_in_memory) * cfg.model.seq_length
             levers.append(
                 f"model.seq_length={c.chunk} chunkflow.max_chunks_in_memory={c.keep} (est. {c.mem_gib:.1f} GiB; "
-                f"the longest sequence reruns {c.rerun_tokens} tokens, now {max(0, now)})"
+                f"the longest sequence reruns {c.rerun_tokens} tokens, now {planner.rerun_tokens(cfg, longest)})"
             )
     if cf.max_chunks_in_memory > 1:
         levers.append(

@@ -337,6 +337,11 @@ def chunkflow_estimate(
     return base
 
 
+def rerun_tokens(cfg: Config, longest: int) -> int:
+    """Tokens the ``longest`` sequence runs forward again: its chunks beyond K (``chunkflow/state.py``)."""
+    return max(0, sequence_chunks(cfg, longest) - cfg.chunkflow.max_chunks_in_memory) * cfg.model.seq_length
+
+
 MEMORY_SHARE = 0.92
 """Share of the GPU's memory above which the banner warns that the configured layout may not fit. The planner
 counts what each op keeps (decision 1244; within 0.6 GiB of four H100s' first stage at seq 4096, 2026-11-27) but not
@@ -366,20 +371,18 @@ def chunkflow_choices(
     from dataclasses import replace
 
     c0, tp = cfg.model.seq_length, cfg.parallel.tp
+    sizes = [c for c in ((c0, c0 // 2) if c0 % 2 == 0 else (c0,)) if not (cfg.parallel.sequence_parallel and c % tp)]
     choices = []
-    for chunk in (c0, c0 // 2):
-        if chunk < 2 or (cfg.parallel.sequence_parallel and chunk % tp) or (chunk != c0 and chunk * 2 != c0):
-            continue
+    for chunk in sizes:
         model = replace(cfg.model, seq_length=chunk)
-        n = sequence_chunks(replace(cfg, model=model), longest)
         best = None
-        for keep in range(1, n + 1):
+        for keep in range(1, sequence_chunks(replace(cfg, model=model), longest) + 1):
             cf = replace(cfg.chunkflow, max_chunks_in_memory=keep, chunk_size=None)
-            plan = chunkflow_estimate(replace(cfg, model=model, chunkflow=cf), split, vocab, dp, longest)
-            mem = max(st.mem_gib for st in plan.stages)
-            if mem > budget_gib:
+            trial = replace(cfg, model=model, chunkflow=cf)
+            mem = max(st.mem_gib for st in chunkflow_estimate(trial, split, vocab, dp, longest).stages)
+            if mem > budget_gib:  # memory grows with K
                 break
-            best = ChunkChoice(chunk, keep, mem, (n - keep) * chunk)
+            best = ChunkChoice(chunk, keep, mem, rerun_tokens(trial, longest))
         if best is not None:
             choices.append(best)
     return sorted(choices, key=lambda c: (c.rerun_tokens, -c.chunk))
