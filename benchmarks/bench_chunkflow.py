@@ -56,12 +56,15 @@ of the first S or of the layout's S, whichever is smaller: 8192 on ``4gpu_8b`` f
 10% when S doubles).
 
 A mode whose keys this checkout's config does not know is a row ``not available: ...``, not a crash; so is
-``mcore-fixed`` without CUDA. Metrics per mode: ``real_tokens_per_s`` (non-padding input tokens of the step,
-global, over the slowest rank's median step), ``step_ms``, ``mem_gib`` (peak allocated per GPU during the timed
+``mcore-fixed`` without CUDA. Metrics per mode: ``real_tokens_per_s`` (the timed steps' non-padding input tokens,
+global, over their summed times, each step the slowest rank's: ChunkFlow's steps differ in size, so a median step
+over mean tokens would mix steps; before 2026-11-28 it was the median), ``step_ms`` (their mean; ``step_ms_each``),
+``mem_gib`` (peak allocated per GPU during the timed
 steps, max over ranks, less what earlier cases left behind), ``padding_share``, ``chunk_fill`` (ChunkFlow: real
 predictions over its chunks' label slots, the timed steps' mean; ``chunkflow.pack_tails`` raises it; its packed last
-chunks' FlexAttention variants are compiled before the warm-up steps: ``tail_prefixes``, ``tail_variants`` and
-``tail_compile_s``, the slowest rank's, decision 1241). Real tokens per step:
+chunks' FlexAttention variants are compiled before the warm-up steps: ``tail_prefixes``, ``tail_width`` (their
+keys' padded length: one variant, decision 1248), ``tail_variants`` and ``tail_compile_s``, the slowest rank's,
+decision 1241). Real tokens per step:
 ``mcore-fixed`` counts its sequences' tokens (capped at S); the megasparse modes take the trainer's
 ``StepResult.extra["real_tokens"]`` (global) when it reports one, else ``StepResult.tokens`` x dp (packing: all
 real). Writes ``chunkflow_<layout>.json`` (``device``, ``layout``, ``distribution``, ``cases`` with ``mode`` and
@@ -275,11 +278,13 @@ def run_case(mode: str, cfg, seqs, vocab: int, warmup: int, steps: int) -> dict:
 
 
 def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
-    """The slowest rank's median step, real tokens per second (global and per GPU), memory and padding share."""
+    """The timed steps (each the slowest rank's): mean step, real tokens per second over their summed time (global
+    and per GPU), memory and padding share."""
     dev = r["dev"]
     times = bt.gather_floats(r["times"], dev)
     mems = [x[0] for x in bt.gather_floats([r["mem_gib"]], dev)]
-    step_s = max(statistics.median(t) for t in times)
+    each = [max(t[i] for t in times) for i in range(len(times[0]))]  # per step, the slowest rank
+    step_s = statistics.mean(each)
     real = statistics.mean(r["real"])
     slots = cfg.train.global_batch_size * cfg.model.seq_length
     tail = r.get("tail") or {}
@@ -288,7 +293,9 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
         "mode": mode,
         "max_length": max_length,
         "step_ms": 1e3 * step_s,
+        "step_ms_each": [1e3 * t for t in each],
         "real_tokens_per_step": real,
+        "real_tokens_each": list(r["real"]),
         "real_tokens_per_s": real / step_s,
         "real_tokens_per_s_per_gpu": real / step_s / world,
         "padding_share": max(0.0, 1 - real / slots) if mode == MCORE else 0.0,
@@ -302,6 +309,7 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
         "chunk_fill": r["chunk_fill"],  # ChunkFlow: real / label slots of its chunks (decision 1233); else None
         # pack_tails (decision 1241): the tail-flex variants compiled before the timed steps and their seconds
         "tail_prefixes": tail.get("tail_prefixes"),
+        "tail_width": tail.get("tail_width"),  # the keys padded to it: one variant for every prefix (decision 1248)
         "tail_variants": tail.get("tail_variants"),
         "tail_compile_s": compile_s if tail else None,
         "tail_cache_entries": tail.get("tail_cache_entries"),  # CUDA: [flex, mask] entries; = variants if none late

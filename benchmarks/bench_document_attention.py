@@ -32,6 +32,7 @@ by every layer: charge 1/layers of it). Writes ``docs/benchmarks/data/bench_pack
 (``--out`` overrides).
 
     python benchmarks/bench_document_attention.py --packed-tail [--chunk 8192] [--prefix 8192,16384] [--head 3000]
+        [--width 32768]
 """
 
 from __future__ import annotations
@@ -202,8 +203,11 @@ def tail_spans(chunk: int, prefix: int, head: int, doc_len: int, kernel: str, ge
     return DocSpans(torch.tensor(seg).view(-1, 1), torch.tensor(pos).view(-1, 1), kernel)
 
 
-def packed_tail(cfg: ModelConfig, chunk: int, prefix: int, head: int, doc_len: int, device, dtype, reps: int) -> dict:
-    """One row of ``--packed-tail``: the three ways' attention fwd + bwd, and each mask's build."""
+def packed_tail(
+    cfg: ModelConfig, chunk: int, prefix: int, head: int, doc_len: int, device, dtype, reps: int, width: int = 0
+) -> dict:
+    """One row of ``--packed-tail``: the three ways' attention fwd + bwd, and each mask's build; ``width``: also
+    flex with its keys padded to it (ChunkFlow's one variant for every prefix, decision 1248)."""
     nq, nkv, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
     one = tail_spans(chunk, prefix, head, doc_len, "bias", torch.Generator().manual_seed(0))
     spans = {k: DocSpans(one.segments.to(device), one.positions.to(device), k) for k in KERNELS}  # the same documents
@@ -212,10 +216,10 @@ def packed_tail(cfg: ModelConfig, chunk: int, prefix: int, head: int, doc_len: i
     g = torch.randn(chunk, 1, nq * d, device=device, dtype=dtype)
     source = _Prefix(*(torch.randn(1, nkv, prefix, d, device=device, dtype=dtype) for _ in range(2)))
 
-    def op(kernel: str | None):
+    def op(kernel: str | None, pad: int | None = None):
         qkv.grad = None
         docs, rows = (None, None) if kernel is None else (spans[kernel], head)
-        y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, source, None, docs, rows)
+        y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, source, None, docs, rows, pad)
         y.backward(g)
 
     def build(kernel: str):
@@ -233,6 +237,10 @@ def packed_tail(cfg: ModelConfig, chunk: int, prefix: int, head: int, doc_len: i
         row[f"{k}_ratio"] = row[f"{k}_ms"] / row["causal_ms"]
         row[f"{k}_build_ms"] = timed(lambda k=k: build(k), reps, device)
     row["flex_over_bias"] = row["flex_ms"] / row["bias_ms"]
+    if width:
+        row["width"] = width
+        row["flex_padded_ms"] = timed(lambda: op("flex", width), reps, device)
+        row["flex_padded_ratio"] = row["flex_padded_ms"] / row["causal_ms"]
     row["flex_ran"] = doc_flex._OK["ok"]  # False: a flex call failed and the bias kernels ran its rows
     return row
 
@@ -247,6 +255,11 @@ def tail_table(rows: list[dict], dev: str) -> str:
             f"{r['chunk']:>6} {r['prefix']:>6} {r['head']:>5} {r['documents']:>5} | {r['causal_ms']:>11.2f}ms "
             + " ".join(f"{r[f'{k}_ms']:>8.2f}ms ({r[f'{k}_ratio']:.2f}×)" for k in KERNELS)
             + f" {r['flex_over_bias']:>9.2f} | {r['bias_build_ms']:>8.3f}ms {r['flex_build_ms']:>7.3f}ms"
+            + (
+                f" | padded to {r['width']}: {r['flex_padded_ms']:.2f}ms ({r['flex_padded_ratio']:.2f}×)"
+                if "width" in r
+                else ""
+            )
             + ("" if r["flex_ran"] else "  (flex FAILED: bias ran)")
         )
     return "\n".join(lines)
@@ -265,7 +278,8 @@ def main_packed_tail(a) -> int:
         )  # fmt: skip
         chunk, head, dtype, reps, doc_len = a.chunk, a.head, torch.bfloat16, a.reps, a.doc_len
         prefixes = [int(p) for p in a.prefix.split(",")]
-    rows = [packed_tail(cfg, chunk, p, head, doc_len, device, dtype, reps) for p in prefixes]
+    width = 2 * (max(prefixes) + chunk) if small and a.width else a.width
+    rows = [packed_tail(cfg, chunk, p, head, doc_len, device, dtype, reps, width) for p in prefixes]
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result = {"device": dev, "torch": torch.__version__, "sigma": SIGMA, "mode": "packed_tail", "cases": rows}
     out = a.out
@@ -294,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--prefix", default="8192,16384")
     ap.add_argument("--head", type=int, default=3000)
+    ap.add_argument("--width", type=int, default=0, help="also flex with keys padded to this (ChunkFlow's route)")
     a = ap.parse_args(argv)
     if a.packed_tail:
         return main_packed_tail(a)

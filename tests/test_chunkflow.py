@@ -286,10 +286,11 @@ def test_prefix_attention_of_a_last_chunk_with_packed_documents(compact: bool) -
 
 # -- training on chunks equals training each sequence whole --------------------------------------------------------
 class _Fixed:
-    """A sequence source whose every step is ``seqs`` (``positions``: their ``.bin`` offsets, for a sidecar)."""
+    """A sequence source whose every step is ``seqs`` (``positions``: their ``.bin`` offsets, for a sidecar;
+    ``max_length``: the longest sequence it says it may hold, which sizes a packed last chunk's padded flex keys)."""
 
-    def __init__(self, seqs, positions=None):
-        self.seqs, self.positions = seqs, positions
+    def __init__(self, seqs, positions=None, max_length=None):
+        self.seqs, self.positions, self.max_length = seqs, positions, max_length
 
     def step_sequences(self, step, n):
         assert n == len(self.seqs)
@@ -341,7 +342,7 @@ def _whole_sequences(
 def _chunked(tr, seqs, positions=None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The trainer's ChunkFlow step on ``seqs``: per-token losses gathered per sequence (first forwards only)."""
     cf = tr.chunkflow
-    cf.source = _Fixed(seqs, positions)
+    cf.source = _Fixed(seqs, positions, getattr(cf.source, "max_length", None))  # the longest it was sized for
     stage, got = cf.stage, []
 
     class Recorder(torch.nn.Module):
@@ -431,7 +432,7 @@ def _compare_packed(kernel: str = "bias", overrides=()) -> tuple[float, float, i
     tr = Trainer(_config(list(overrides)), init_groups=False)
     tr.chunkflow = ChunkFlowStep(
         tr.model,
-        _Fixed(seqs),
+        _Fixed(seqs, max_length=6 * C),  # the long sequence's last chunk: flex's keys padded from 4·C to 6·C
         chunk_size=C,
         per_step=len(seqs),
         keep=1,
@@ -447,6 +448,7 @@ def _compare_packed(kernel: str = "bias", overrides=()) -> tuple[float, float, i
     tok = max(abs(v.item() - per_seq[s][i].item()) / abs(per_seq[s][i].item()) for (s, i), v in per_tok.items())
     grads = _grads(tr)
     tail = len(work.plan.groups[0].chunks[-1].pieces)
+    assert tr.chunkflow.tail_width == 6 * C
     return tok, max(_rel(grads[n], ref[n]) for n in ref), work.plan.num_chunks, tail
 
 
@@ -459,12 +461,14 @@ def test_packed_chunks_with_document_attention_train_like_whole_sequences(kernel
     from megasparse.ops import doc_flex, tail_flex
 
     calls = {"forward": 0, "backward": 0}
+    widths = set()
 
     def counting(name: str):
         fn = getattr(tail_flex, name)
 
         def counted(*a, **kw):
             calls[name] += 1
+            widths.add(a[-1])  # the keys' padded length (decision 1248)
             return fn(*a, **kw)
 
         return counted
@@ -482,6 +486,7 @@ def test_packed_chunks_with_document_attention_train_like_whole_sequences(kernel
     assert tok < 1e-5 and grad < 1e-5, res
     layers = 4  # the packed last chunk in every layer, once (it keeps its graph: K = 1 reruns the earlier ones)
     assert calls == {"forward": layers * (kernel != "bias"), "backward": layers * (kernel == "flex-backward")}
+    assert widths == ({6 * C} if kernel != "bias" else set())  # padded keys: 2·C zeros between prefix and own
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

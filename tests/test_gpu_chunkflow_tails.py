@@ -72,10 +72,10 @@ def test_packed_last_chunk_prefix_attention_matches_fp64(monkeypatch, dtype, cud
     assert _rel(src.got[0], k64.grad[:, :, at]) < tol and _rel(src.got[1], v64.grad[:, :, at]) < tol
 
 
-def _packed_tail_run(kernel: str, dtype: torch.dtype, seed: int = 7):
+def _packed_tail_run(kernel: str, dtype: torch.dtype, seed: int = 7, width: int | None = None):
     """One packed last chunk (640 rows: a 300-row tail, documents of 77, 1, 150 and 90 rows, padding) over a
     1280-row prefix through ``prefix_attention`` on ``kernel``: (y, dqkv, dk_prefix, dv_prefix), the fp64
-    reference's, and the chunk's spans."""
+    reference's, and the chunk's spans. ``width``: flex's keys padded to it (decision 1248)."""
     torch.manual_seed(seed)
     s, prefix, nq, nkv, d, pieces = 640, 1280, 8, 2, 128, [300, 77, 1, 150, 90]
     docs = _tail_docs(prefix, pieces, s, kernel)
@@ -83,7 +83,7 @@ def _packed_tail_run(kernel: str, dtype: torch.dtype, seed: int = 7):
     qkv = torch.randn(s, 1, (nq + 2 * nkv) * d, device="cuda", dtype=dtype, requires_grad=True)
     kp, vp = (torch.randn(1, nkv, prefix, d, device="cuda", dtype=dtype) for _ in range(2))
     src = _Source(kp, vp)
-    y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, src, None, docs, pieces[0])
+    y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, src, None, docs, pieces[0], width)
     gy = torch.randn_like(y)
     y.backward(gy)
     x, k64, v64 = (t.detach().double().requires_grad_() for t in (qkv, kp, vp))
@@ -94,13 +94,14 @@ def _packed_tail_run(kernel: str, dtype: torch.dtype, seed: int = 7):
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
-def test_packed_last_chunk_on_flex_equals_the_bias_kernels(dtype, tol: float):
+@pytest.mark.parametrize("width", [None, 2560], ids=["exact", "padded"])
+def test_packed_last_chunk_on_flex_equals_the_bias_kernels(dtype, tol: float, width: int | None):
     """Forward and every gradient (q/k/v through the input rows, the prefix's keys and values) of the flex path
     against the bias kernels' path on the same inputs and against fp64; flex ran (its mask, no bias built) and did
-    not fall back."""
+    not fall back. ``padded``: the keys padded from 1920 to 2560 (five empty tiles; ChunkFlow's route)."""
     from megasparse.ops import doc_flex
 
-    flex, ref, docs = _packed_tail_run("flex", dtype)
+    flex, ref, docs = _packed_tail_run("flex", dtype, width=width)
     bias, _, bias_docs = _packed_tail_run("bias", dtype)
     assert doc_flex._OK["ok"], "a flex call failed: the bias kernels ran"
     assert any(isinstance(k, tuple) and k[0] == "tail_flex_mask" for k in docs._cache)

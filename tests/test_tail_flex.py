@@ -79,9 +79,9 @@ def route(request, monkeypatch) -> str:
     return request.param
 
 
-def run(case: str, dtype: torch.dtype, route: str, kernel: str = "flex"):
+def run(case: str, dtype: torch.dtype, route: str, kernel: str = "flex", width: int | None = None):
     """The packed last chunk through ``prefix_attention`` and through the reference (fp64): outputs and gradients
-    (qkv, bias, prefix k, prefix v) of each, and the chunk's spans."""
+    (qkv, bias, prefix k, prefix v) of each, and the chunk's spans. ``width``: flex's keys padded to it."""
     s, prefix, nq, nkv, d, pieces = CASES[case]
     qkv, bias, kp, vp, gy, cos, sin = inputs(case, dtype)
     docs = tail_docs(s, prefix, pieces, kernel)
@@ -90,9 +90,9 @@ def run(case: str, dtype: torch.dtype, route: str, kernel: str = "flex"):
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     if route == "rerun":
         with hooks:
-            y, k, v = prefix_attention(x, nq, nkv, cos, sin, prefix, src, b, docs, pieces[0])
+            y, k, v = prefix_attention(x, nq, nkv, cos, sin, prefix, src, b, docs, pieces[0], width)
     else:
-        y, k, v = prefix_attention(x, nq, nkv, cos, sin, prefix, src, b, docs, pieces[0])
+        y, k, v = prefix_attention(x, nq, nkv, cos, sin, prefix, src, b, docs, pieces[0], width)
     y.backward(gy)
     assert src.got[2] is None
     mine = (y, k, v, x.grad, b.grad, src.got[0], src.got[1])
@@ -109,11 +109,15 @@ def worst(mine, ref) -> float:
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_packed_tail_on_flex_matches_reference(case: str, dtype: torch.dtype, route: str):
-    mine, ref, docs = run(case, dtype, route)
+@pytest.mark.parametrize("padded", [False, True])
+def test_packed_tail_on_flex_matches_reference(case: str, dtype: torch.dtype, route: str, padded: bool):
+    """``padded``: the keys padded with zeros to a longer sequence's (3 tiles more than P + C; ChunkFlow's route)."""
+    s, prefix = CASES[case][:2]
+    width = prefix + s + 3 * doc_flex.BLOCK + 5 if padded else None
+    mine, ref, docs = run(case, dtype, route, width=width)
     assert worst(mine, ref) < TOL[dtype]
     keys = [k for k in docs._cache if isinstance(k, tuple)]
-    assert ("tail_flex_mask", CASES[case][5][0], CASES[case][1], "cpu") in keys  # flex ran, its mask memoised
+    assert ("tail_flex_mask", CASES[case][5][0], prefix, width or prefix + s, "cpu") in keys  # flex ran, memoised
     assert any(k[0] == "bias" for k in keys) == (route == "cpu")  # the bias kernels ran only for the CPU backward
 
 
@@ -125,34 +129,47 @@ def test_bias_kernel_keeps_the_merge():
         assert not any(isinstance(k, tuple) and k[0] == "tail_flex_mask" for k in docs._cache)
 
 
-def _every_row_sees_the_prefix(prefix, tail, qseg, kseg):
+def _every_row_sees_the_prefix(start, tail, pre, qseg, kseg):
     def rule(b, h, qi, ki):
-        own = ki >= prefix
-        return ~own | (own & (ki - prefix <= qi) & (qseg[b, qi] == kseg[b, ki]))
+        own = ki >= start
+        return (~own & pre[ki]) | (own & (ki - start <= qi) & (qseg[b, qi] == kseg[b, ki]))
 
     return rule
 
 
-def _no_document_boundary(prefix, tail, qseg, kseg):
+def _no_document_boundary(start, tail, pre, qseg, kseg):
     def rule(b, h, qi, ki):
-        own = ki >= prefix
-        return (~own & tail[qi]) | (own & (ki - prefix <= qi))
+        own = ki >= start
+        return (~own & tail[qi] & pre[ki]) | (own & (ki - start <= qi))
 
     return rule
 
 
-@pytest.mark.parametrize("mutant", [_every_row_sees_the_prefix, _no_document_boundary])
+def _padding_is_seen(start, tail, pre, qseg, kseg):
+    def rule(b, h, qi, ki):
+        own = ki >= start
+        return (~own & tail[qi]) | (own & (ki - start <= qi) & (qseg[b, qi] == kseg[b, ki]))
+
+    return rule
+
+
+@pytest.mark.parametrize("mutant", [_every_row_sees_the_prefix, _no_document_boundary, _padding_is_seen])
 def test_a_broken_mask_fails(monkeypatch, mutant):
-    """The comparison catches a mask that lets the documents see the prefix or each other (the GPU's route)."""
+    """The comparison catches a mask that lets the documents see the prefix or each other, or the tail see the
+    zero keys that pad the prefix (the GPU's route, keys padded)."""
     import torch.nn.attention.flex_attention as fa
 
     monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
     monkeypatch.setattr(doc_flex, "has_backward", lambda q: True)
     monkeypatch.setattr(tail_flex, "_rule", mutant)
-    mine, ref, _ = run("gqa2-tiles", torch.float64, "graph")
+    s, prefix = CASES["gqa2-tiles"][:2]
+    mine, ref, _ = run("gqa2-tiles", torch.float64, "graph", width=prefix + s + 2 * doc_flex.BLOCK)
     head = CASES["gqa2-tiles"][5][0]
-    assert (mine[0] - ref[0]).abs()[:head].amax() < 1e-10  # the tail's rows are right either way
-    assert (mine[0] - ref[0]).abs()[head:].amax() > 1e-3
+    wrong = (mine[0] - ref[0]).abs()
+    if mutant is _padding_is_seen:  # the zero keys dilute the tail's softmax; the documents never see them
+        assert wrong[:head].amax() > 1e-3 and wrong[head:].amax() < 1e-10
+        return
+    assert wrong[:head].amax() < 1e-10 and wrong[head:].amax() > 1e-3  # the tail's rows are right either way
     if mutant is _every_row_sees_the_prefix:
         assert ((mine[5] - ref[5]).norm() / ref[5].norm()).item() > 1e-3  # the documents' rows train the prefix
 
@@ -169,7 +186,7 @@ def test_compact_backward_after_flex_forward():
     x = qkv.clone().requires_grad_()
     src = Source(kp, vp, pre_rows)
     y, _, _ = prefix_attention(x, nq, nkv, cos, sin, prefix, src, None, docs, pieces[0])
-    assert ("tail_flex_mask", pieces[0], prefix, "cpu") in docs._cache
+    assert ("tail_flex_mask", pieces[0], prefix, prefix + s, "cpu") in docs._cache
     gy = gy * keep[prefix:, None, None]
     y.backward(CompactGrad(gy.view(s, -1)[own], KeepMeta(own, s), y.shape))
     x64, k64, v64 = (t.clone().requires_grad_() for t in (qkv, kp, vp))
@@ -183,10 +200,12 @@ def test_compact_backward_after_flex_forward():
     torch.testing.assert_close(dv, v64.grad[:, :, pre_rows], rtol=1e-10, atol=1e-10)
 
 
-def test_compiled_once_per_prefix_length(monkeypatch):
+@pytest.mark.parametrize("width", [None, 600])
+def test_compiled_once_per_prefix_length(monkeypatch, width):
     """The GPU's compiled route (static shapes) traces once per prefix length: new documents and a new tail length
-    at the same prefix hit the cache (the tail's length is a device tensor, not a constant). A counting backend
-    stands in for inductor."""
+    at the same prefix hit the cache (the tail's length is a device tensor, not a constant). With the keys padded to
+    a ``width`` (ChunkFlow's route, decision 1248) it traces once for every prefix: the prefix's length is a device
+    tensor too. A counting backend stands in for inductor."""
     import torch._dynamo.testing as dt
 
     counters = dt.CompileCounter(), dt.CompileCounter()
@@ -198,11 +217,11 @@ def test_compiled_once_per_prefix_length(monkeypatch):
     torch._dynamo.reset()
     s, nq, nkv, d = 150, 4, 2, 16
     gen = torch.Generator().manual_seed(0)
-    for prefix, pieces, frames in [(150, [40, 30], 1), (150, [99, 1, 20], 1), (300, [7, 60], 2)]:
+    for prefix, pieces, frames in [(150, [40, 30], 1), (150, [99, 1, 20], 1), (300, [7, 60], 1 if width else 2)]:
         q, k, v = (torch.randn(1, h, s, d, generator=gen) for h in (nq, nkv, nkv))
         kp, vp = (torch.randn(1, nkv, prefix, d, generator=gen) for _ in range(2))
         docs = tail_docs(s, prefix, pieces)
-        out, _, _, _, _ = tail_flex.forward(q, k, v, (kp, vp), docs, pieces[0], d**-0.5, keep=False)
+        out, _, _, _, _ = tail_flex.forward(q, k, v, (kp, vp), docs, pieces[0], d**-0.5, False, width)
         head = torch.arange(s)[:, None] < pieces[0]
         allowed = torch.cat([head.expand(s, prefix), docs.allowed()[0, 0]], 1)
         scores = (q @ torch.cat([kp, k], 2).repeat_interleave(2, 1).transpose(-1, -2)) * d**-0.5

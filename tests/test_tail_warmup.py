@@ -3,8 +3,10 @@
 On CPU flex runs eagerly, so nothing compiles; what is checked is the prediction the GPU's warm-up compiles from:
 the variant keys ``tail_flex.chosen`` records while the steps run equal those ``tailwarm`` predicts for the same
 steps (a tiny ChunkFlow run on the synthetic long-tail stream, tails packed, three prefix lengths over five steps),
-a prediction over fewer steps misses the variant only the last step needs, and the warm-up's own synthetic chunk
-asks for exactly the predicted key of its prefix. The GPU test checks that after the warm-up the steps add no
+and the warm-up's own synthetic chunk asks for exactly the predicted key of its prefix. As the steps run, the keys
+are padded to the longest sequence's chunks (decision 1248): one variant serves all three prefixes. Unpadded (a
+source that cannot say its longest sequence) each prefix is a variant, and a prediction over fewer steps misses
+the variant only the last step needs. The GPU test checks that after the warm-up the steps add no
 compiled entry to the tail wrappers' caches.
 """
 
@@ -44,14 +46,17 @@ def _trainer(extra=()):
     return tr
 
 
-def _run() -> dict:
-    """A tiny ChunkFlow run of ``STEPS`` steps; the keys its packed last chunks asked for and the predictions."""
+def _run(padded: bool) -> dict:
+    """A tiny ChunkFlow run of ``STEPS`` steps; the keys its packed last chunks asked for and the predictions.
+    ``padded``: the keys padded to the run's width (96: six chunks of 16), else one variant per prefix."""
     from megasparse.chunkflow import tailwarm
     from megasparse.chunkflow.plan import plan_step
 
     tail_flex.REQUESTED.clear()
     tr = _trainer()
     cf = tr.chunkflow
+    if not padded:
+        cf.tail_width = None
     assert cf.tail_warmup is None and cf.steps == STEPS
     per_step, rec = [], None
     for s in range(STEPS):
@@ -93,8 +98,25 @@ def _run() -> dict:
     return out
 
 
+def test_one_padded_variant_serves_every_prefix() -> None:
+    (r,) = run_distributed(_run, 1, True)  # world 1: in this process
+    rec = r["rec"]
+    assert rec["tail_prefixes"] == PREFIXES and rec["tail_width"] == 96 and rec["tail_skipped"] == []
+    # CPU: the forward without grad and the backward's rerun under grad: two keys, for all three prefixes
+    assert rec["tail_variants"] == 2 == len(r["predicted"]) and {k[1] for k in r["predicted"]} == {96}
+    assert r["asked"] == r["predicted"] == r["short"] == r["at32"] == r["one"]
+    assert r["others"] == {"bias": [], "auto": []}
+    # P = 16's variant compiled already is every P's: nothing left to compile or skip under the limit
+    assert r["limited"]["tail_skipped"] == [] and r["limited"]["tail_variants"] == 2
+    ran, lines = r["ran"]
+    assert ran["tail_variants"] == 2 and ran["tail_compile_s"] > 0 and len(lines) == 2
+    what = "1 FlexAttention tail variant (P=16,32,48; keys padded to 96)"
+    assert lines == [f"chunkflow: compiling {what} for steps 0-4: 0/1", lines[1]]
+    assert lines[1].startswith(f"chunkflow: compiling {what}: 1/1, ")
+
+
 def test_predicted_tail_variants_are_the_ones_the_steps_ask_for() -> None:
-    (r,) = run_distributed(_run, 1)  # world 1: in this process
+    (r,) = run_distributed(_run, 1, False)  # world 1: in this process
     rec = r["rec"]
     assert rec["tail_prefixes"] == PREFIXES and rec["tail_compile_s"] == 0.0 and rec["tail_skipped"] == []
     seen = [{p for s in steps for p in s} for steps in (r["per_step"], r["per_step"][:-1])]
@@ -127,7 +149,8 @@ def test_no_prediction_without_packed_tails() -> None:
 
 @pytest.mark.gpu
 def test_steps_after_the_warm_up_compile_no_tail_variant() -> None:
-    """CUDA, bf16 on flex: after ``warm_tails`` the steps add no entry to the tail wrappers' dynamo caches."""
+    """CUDA, bf16 on flex: after ``warm_tails`` the steps add no entry to the tail wrappers' dynamo caches, which hold
+    one entry each: the padded keys' one variant for every prefix."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from megasparse.chunkflow import tailwarm
@@ -145,8 +168,8 @@ def test_steps_after_the_warm_up_compile_no_tail_variant() -> None:
 
     (got,) = run_distributed(run, 1)
     before, after, rec = got
-    assert rec["tail_prefixes"] == PREFIXES and rec["tail_variants"] == len(PREFIXES) and rec["tail_compile_s"] > 0
-    assert before == after == [len(PREFIXES), len(PREFIXES)]
+    assert rec["tail_prefixes"] == PREFIXES and rec["tail_width"] == 96 and rec["tail_compile_s"] > 0
+    assert rec["tail_variants"] == 1 and before == after == [1, 1]  # one variant for the three prefixes
     assert tail_flex.WARMED >= tail_flex.REQUESTED
 
 
@@ -170,4 +193,5 @@ def test_bench_chunkflow_records_the_tail_warm_up(tmp_path) -> None:
     assert case["mode"] == "chunkflow" and case["real_tokens_per_s"] > 0, case
     prefixes = case["tail_prefixes"]
     assert prefixes and all(p % 32 == 0 for p in prefixes)  # multiples of the chunk (cpu_tiny: S 128, chunks of 32)
-    assert case["tail_variants"] == 2 * len(prefixes) and case["tail_compile_s"] == 0.0
+    # one variant (two keys on CPU's no-grad + rerun route) for every prefix: the keys padded to S = 128
+    assert case["tail_width"] == 128 and case["tail_variants"] == 2 and case["tail_compile_s"] == 0.0

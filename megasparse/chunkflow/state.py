@@ -111,13 +111,15 @@ class ChunkKV:
         self.store, self.j, self.offset, self.rerun = store, j, offset, rerun
         self.docs: DocSpans | None = None
         self.head: int | None = None
+        self.width: int | None = None
         self.outputs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         """(layer, k, v) of this chunk with their autograd history (forwards with grad only)."""
 
-    def pack(self, docs: DocSpans, head: int) -> None:
+    def pack(self, docs: DocSpans, head: int, width: int | None = None) -> None:
         """This chunk's rows [0, head) are the sequence's tail, the rest packed documents (``docs``: all of the
-        chunk's documents and RoPE positions, the tail's from ``offset``): only the tail attends to the prefix."""
-        self.docs, self.head = docs, head
+        chunk's documents and RoPE positions, the tail's from ``offset``): only the tail attends to the prefix.
+        ``width``: flex's keys padded to it (one compiled variant for every prefix; ``ops/tail_flex.py``)."""
+        self.docs, self.head, self.width = docs, head, width
 
     def keep_rows(self, positions: torch.Tensor) -> None:
         """Collider: this chunk's kept positions (ascending, in the chunk), which the later chunks' compact
@@ -127,7 +129,7 @@ class ChunkKV:
     def attend(self, layer: int, qkv: torch.Tensor, nq: int, nkv: int, cos, sin, bias=None) -> torch.Tensor:
         """Layer ``layer``'s attention for this chunk: y [s, b, nq·d] (its keys/values recorded)."""
         source = _LayerPrefix(self.store, layer, self.j)
-        y, k, v = prefix_attention(qkv, nq, nkv, cos, sin, self.offset, source, bias, self.docs, self.head)
+        y, k, v = prefix_attention(qkv, nq, nkv, cos, sin, self.offset, source, bias, self.docs, self.head, self.width)
         if not self.rerun:
             self.store.write(layer, self.j, k.detach(), v.detach())
         if torch.is_grad_enabled():

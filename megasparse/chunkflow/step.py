@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from megasparse.chunkflow.filter import ChunkReference, ChunkSelection
 from megasparse.chunkflow.plan import Chunk, Group, StepPlan, chunk_arrays, plan_step
 from megasparse.chunkflow.schedule import Schedule, gpipe_per_group, state_aware
 from megasparse.chunkflow.state import ChunkKV, run_group, run_schedule
-from megasparse.chunkflow.tailwarm import warm_tails
+from megasparse.chunkflow.tailwarm import tail_width, warm_tails
 from megasparse.ops.compact import KeepHolder, KeepMeta
 from megasparse.ops.documents import DocSpans
 from megasparse.parallel.pipeline import StageComm
@@ -99,6 +99,12 @@ class ChunkFlowStep:
     def _documents(self, ids: torch.Tensor) -> dict:
         """A packed chunk's documents for the model (document attention: decision 1200's ``DocSpans``)."""
         return {"docs": DocSpans.from_ids(ids, self.eod, self.doc_kernel)}
+
+    @cached_property
+    def tail_width(self) -> int | None:
+        """The packed last chunks' flex keys, padded to the longest sequence's chunks: one compiled variant for
+        every prefix (``tailwarm.tail_width``; None: the source cannot say its longest sequence)."""
+        return tail_width(self.source, self.c, self.max_length)
 
     def tail_spans(self, chunk: Chunk, starts: list[int]) -> DocSpans:
         """The spans of a long sequence's last chunk holding short documents (``_tail_spans``; the warm-up's too)."""
@@ -166,7 +172,7 @@ class ChunkFlowStep:
             if kv is not None and len(chunk.pieces) > 1:  # a long sequence's last chunk holding short documents
                 # spans made per forward, like a packed chunk's: their memoised masks go with this chunk's graph
                 spans = self.tail_spans(chunk, arrays[j][2])
-                kv.pack(spans, chunk.pieces[0].count)
+                kv.pack(spans, chunk.pieces[0].count, self.tail_width)
             keep = KeepHolder()
             out = stage(ids[j] if stage.first else x, targets[j], keep, **ctx)
             if not stage.last:

@@ -1,14 +1,16 @@
-"""Compiling the packed last chunks' FlexAttention variants before the first step (``chunkflow.pack_tails`` on
-flex, decisions 1239 and 1241).
+"""Compiling the packed last chunks' FlexAttention variant before the first step (``chunkflow.pack_tails`` on flex,
+decisions 1239, 1241 and 1248).
 
-On CUDA ``ops/tail_flex.py`` compiles one flex variant per prefix length P of a packed last chunk (forward, its
-backward and the block-mask builder: tens of seconds of host time each). Found lazily, those compiles land inside
-training steps: a silent stall of minutes, and a benchmark that times compilation. The plan is host-side and cheap
-(``plan.py``), so the variants are known before any model runs: ``tail_prefixes`` walks every DP rank's plans over the
-steps that will run and collects each packed last chunk's P (its ``offset``: the keys of the earlier chunks), and
-``warm_tails`` runs one packed last chunk per P through ``prefix_attention`` forward and backward with the stage's
-own shapes, dtype and RoPE tables, so the compiled entries are the ones the steps hit. On CPU flex runs eagerly:
-the keys are computed (and returned) but nothing runs.
+On CUDA ``ops/tail_flex.py`` compiles a flex variant (forward, its backward and the block-mask builder: tens of
+seconds to minutes of host time) per shape of a packed last chunk's keys. ChunkFlow pads those keys to its longest
+sequence's chunks (``tail_width``), so every prefix length P shares one variant; where the longest sequence is
+unknown each P is its own. Found lazily, those compiles land inside training steps: a silent stall of minutes, and a
+benchmark that times compilation. The plan is host-side and cheap (``plan.py``), so the variants are known before any
+model runs: ``tail_prefixes`` walks every DP rank's plans over the steps that will run and collects each packed last
+chunk's P (its ``offset``: the keys of the earlier chunks), and ``warm_tails`` runs one packed last chunk per
+distinct variant through ``prefix_attention`` forward and backward with the stage's own shapes, dtype and RoPE
+tables, so the compiled entries are the ones the steps hit. On CPU flex runs eagerly: the keys are computed (and
+returned) but nothing runs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from megasparse.ops import doc_flex, tail_flex
 from megasparse.ops.prefix_attention import prefix_attention
 from megasparse.parallel.state import log0
 
-__all__ = ["HORIZON", "predicted_keys", "tail_prefixes", "warm_tails"]
+__all__ = ["HORIZON", "predicted_keys", "tail_prefixes", "tail_width", "warm_tails"]
 
 HORIZON = 2000
 """Steps planned at most (~1 ms each at 137 sequences); the walk stops earlier once every possible P was seen."""
@@ -39,10 +41,23 @@ def _lengths(source, step: int, n: int) -> list[int]:
     return [len(t) for _, t in source.step_sequences(step, n)]
 
 
+def _chunks_of_longest(source, chunk_size: int, max_length: int | None) -> int | None:
+    """Chunks of the longest sequence the run can meet (its predictions: tokens - 1); None: unknown."""
+    longest = longest_sequence(source, max_length)
+    return None if longest is None else max(1, -(-(longest - 1) // chunk_size))
+
+
 def _possible(source, chunk_size: int, max_length: int | None) -> int | None:
     """How many prefix lengths a packed last chunk can have: (chunks of the longest sequence) - 1."""
-    longest = longest_sequence(source, max_length)
-    return None if longest is None else max(0, -(-(longest - 1) // chunk_size) - 1)
+    n = _chunks_of_longest(source, chunk_size, max_length)
+    return None if n is None else n - 1
+
+
+def tail_width(source, chunk_size: int, max_length: int | None) -> int | None:
+    """The keys a packed last chunk's flex call is padded to: the longest sequence's chunks times the chunk size
+    (its last chunk's prefix and itself), so one compiled variant serves every P (``tail_flex``); None: unknown."""
+    n = _chunks_of_longest(source, chunk_size, max_length)
+    return None if n is None else n * chunk_size
 
 
 def tail_prefixes(cf, steps: range) -> dict[int, int]:
@@ -88,7 +103,8 @@ def predicted_keys(cf, prefixes) -> list[tuple]:
         return []
     keep = doc_flex.keeps_graph(q, True)
     shape = (1, attn.nq, cf.c, cf.stage.cfg.head_dim)
-    return [k for p in prefixes for k in tail_flex.variant_keys(shape, p, dtype, keep)]
+    width = cf.tail_width
+    return list(dict.fromkeys(k for p in prefixes for k in tail_flex.variant_keys(shape, p, dtype, keep, width)))
 
 
 class _Prefix:
@@ -117,37 +133,45 @@ def _one(cf, attn, dtype, prefix: int) -> None:
     cos, sin = cf.stage.rope(c + prefix)  # the tables the chunk's forward takes
     qkv = torch.zeros(c, 1, (nq + 2 * nkv) * d, device=dev, dtype=dtype, requires_grad=True)
     buf = torch.zeros(2, 1, nkv, prefix + c, d, device=dev, dtype=dtype)
-    y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, _Prefix(buf, prefix), None, docs, head)
+    y, _, _ = prefix_attention(qkv, nq, nkv, cos, sin, prefix, _Prefix(buf, prefix), None, docs, head, cf.tail_width)
     y.backward(torch.zeros_like(y))
 
 
 def warm_tails(cf, steps: range, log: Callable[[str], None] = log0, run: bool | None = None) -> dict | None:
     """Compile, before ``steps`` run, the tail-flex variants every DP rank's plans need (``cf``: the ``ChunkFlowStep``;
-    None: ChunkFlow off). Returns (and keeps as ``cf.tail_warmup``) ``tail_prefixes`` (P), ``tail_variants``
-    (compiled dynamo entries of the flex call: one per P on the kept-graph route), ``tail_compile_s`` and
-    ``tail_skipped`` (P past dynamo's recompile limit: those chunks run the bias kernels). ``run``: run the
-    synthetic chunks (None: on CUDA only; on CPU flex is eager and there is nothing to compile)."""
+    None: ChunkFlow off). Returns (and keeps as ``cf.tail_warmup``) ``tail_prefixes`` (P), ``tail_width`` (the keys'
+    padded length; None: one variant per P), ``tail_variants`` (compiled dynamo entries of the flex call: one per
+    distinct key shape on the kept-graph route), ``tail_compile_s`` and ``tail_skipped`` (P past dynamo's recompile
+    limit: those chunks run the bias kernels). ``run``: run one synthetic chunk per variant (None: on CUDA only; on
+    CPU flex is eager and there is nothing to compile)."""
     if cf is None:
         return None
     t0 = time.perf_counter()
     prefixes = sorted(tail_prefixes(cf, steps))
-    keys = {p: predicted_keys(cf, [p]) for p in prefixes}
-    per = max((len(k) for k in keys.values()), default=0)
-    fresh = [p for p in prefixes if tail_flex.new_keys(keys[p])]  # not compiled yet (an earlier run in the process)
+    shared: dict[tuple, list[int]] = {}  # a variant's keys -> the P it serves (padded: every P, one entry)
+    for p in prefixes:
+        shared.setdefault(tuple(predicted_keys(cf, [p])), []).append(p)
+    per = max((len(k) for k in shared), default=0)
+    fresh = [k for k in shared if k and tail_flex.new_keys(list(k))]  # not compiled yet (an earlier run)
     room = tail_flex.free_variants() // max(per, 1)
-    todo, skipped = (fresh[:room], fresh[room:]) if per else ([], [])
-    rec = {"tail_prefixes": prefixes, "tail_variants": (len(prefixes) - len(skipped)) * per, "tail_compile_s": 0.0,
-           "tail_skipped": skipped, "tail_plan_s": time.perf_counter() - t0}  # fmt: skip
+    todo, over = fresh[:room], fresh[room:]
+    skipped = sorted(p for k in over for p in shared[k])
+    done = [k for k in shared if k and k not in over]
+    width = cf.tail_width if cf.pack and cf.pack_tails else None
+    rec = {"tail_prefixes": prefixes, "tail_width": width, "tail_variants": sum(map(len, done)),
+           "tail_compile_s": 0.0, "tail_skipped": skipped, "tail_plan_s": time.perf_counter() - t0}  # fmt: skip
     cf.tail_warmup = rec
     if not todo or not (cf.device.type == "cuda" if run is None else run):  # eager flex on CPU: nothing to compile
         return rec
     attn, dtype = _attention(cf)
-    what = f"{len(todo)} FlexAttention tail variants (P={','.join(map(str, todo))})"
+    served = ",".join(str(p) for k in todo for p in shared[k])
+    pad = f"; keys padded to {cf.tail_width}" if cf.tail_width else ""
+    what = f"{len(todo)} FlexAttention tail variant{'s' * (len(todo) > 1)} (P={served}{pad})"
     log(f"chunkflow: compiling {what} for steps {steps.start}-{steps.stop - 1}: 0/{len(todo)}")
     t0 = time.perf_counter()
-    for i, p in enumerate(todo, 1):
+    for i, k in enumerate(todo, 1):
         try:
-            _one(cf, attn, dtype, p)
+            _one(cf, attn, dtype, shared[k][0])
         except torch.OutOfMemoryError:  # not flex's fault: the bias kernels would need more memory still
             raise
         except Exception as e:  # noqa: BLE001 - as a step's flex call: flex off for the process, the bias kernels
@@ -156,7 +180,7 @@ def warm_tails(cf, steps: range, log: Callable[[str], None] = log0, run: bool | 
         if cf.device.type == "cuda":
             torch.cuda.synchronize(cf.device)
         log(f"chunkflow: compiling {what}: {i}/{len(todo)}, {time.perf_counter() - t0:.1f} s")
-    tail_flex.WARMED.update(k for p in prefixes if p not in skipped for k in keys[p])
+    tail_flex.WARMED.update(x for k in done for x in k)
     if skipped:
         log(f"chunkflow: P={','.join(map(str, skipped))} pass dynamo's recompile limit: those chunks run the bias")
     rec["tail_compile_s"] = time.perf_counter() - t0

@@ -70,7 +70,8 @@ def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tenso
 
 class PrefixAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, nq: int, nkv: int, cos, sin, offset: int, source: PrefixSource, bias, docs, head, wants):
+    def forward(ctx, qkv, nq: int, nkv: int, cos, sin, offset: int, source: PrefixSource, bias, docs, head, wants,
+                width):  # fmt: skip
         if bias is not None:
             qkv = qkv + bias
         s, b, _ = qkv.shape
@@ -80,10 +81,10 @@ class PrefixAttentionFn(torch.autograd.Function):
         pre = source.prefix()
         ctx.graph = None  # flex's (leaves, output) under autograd, for the dense backward (decisions 1202, 1239)
         keep = head is not None and doc_flex.keeps_graph(q, wants)
-        flex = head is not None and tail_flex.chosen(docs, q, 0 if pre is None else pre[0].shape[2], keep)
+        flex = head is not None and tail_flex.chosen(docs, q, 0 if pre is None else pre[0].shape[2], keep, width)
         if flex:  # a packed last chunk on FlexAttention: one call over prefix ++ own keys (decision 1239)
             try:
-                out, lse, k_out, v_out, ctx.graph = tail_flex.forward(q, k, v, pre, docs, head, scale, keep)
+                out, lse, k_out, v_out, ctx.graph = tail_flex.forward(q, k, v, pre, docs, head, scale, keep, width)
                 rng = rng_p = doc_flex.bias_rng(q, docs)  # the bias kernels' backward, where flex has none
             except Exception as e:  # noqa: BLE001 - a compiler's or kernel's failure: the bias kernels take over
                 doc_flex.flex_failed(e, q)
@@ -98,7 +99,7 @@ class PrefixAttentionFn(torch.autograd.Function):
         y = out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
         ctx.save_for_backward(q, k_out, v_out, out, lse, cos, sin)
         ctx.meta = (nq, nkv, d, scale, rng, rng_p, offset, qkv.shape, bias is not None)
-        ctx.source, ctx.docs, ctx.head, ctx.flex = source, docs, head, flex
+        ctx.source, ctx.docs, ctx.head, ctx.flex, ctx.width = source, docs, head, flex, width
         ctx.set_materialize_grads(False)  # a chunk without later chunks gets no k/v gradient: no zeros made for it
         return y, k_out, v_out
 
@@ -135,7 +136,7 @@ class PrefixAttentionFn(torch.autograd.Function):
         pos = torch.arange(offset, offset + s, device=q.device) if docs is None else docs.rope_positions()[0]
         dqkv = _unrotated(dq, dk, dv, cos, sin, pos).reshape(shape)
         db = dqkv.reshape(-1, w).sum(0) if has_bias else None
-        return dqkv, None, None, None, None, None, None, db, None, None, None
+        return dqkv, None, None, None, None, None, None, db, None, None, None, None
 
 
 def _flex_backward(ctx, graph, go, q, k, v, pre):
@@ -144,7 +145,7 @@ def _flex_backward(ctx, graph, go, q, k, v, pre):
     if not (doc_flex.has_backward(q) and doc_flex.chosen(ctx.docs.kernel, q)):
         return None
     try:  # the prefix's gradients come from the tail's rows only (the mask)
-        dq, dk, dv, dkp, dvp = tail_flex.backward(go, graph, q, k, v, pre, ctx.docs, ctx.head, ctx.meta[3])
+        dq, dk, dv, dkp, dvp = tail_flex.backward(go, graph, q, k, v, pre, ctx.docs, ctx.head, ctx.meta[3], ctx.width)
     except Exception as e:  # noqa: BLE001 - as in the forward: the bias kernels' backward instead
         doc_flex.flex_failed(e, q)
         return None
@@ -217,7 +218,7 @@ def _compact_backward(ctx, g: CompactGrad, gk, gv):
     at = pos + offset if docs is None else docs.rope_positions()[0].index_select(0, pos)
     rows = _unrotated(dq, dk, dv, cos, sin, at).reshape(m, w)
     db = rows.sum(0) if has_bias else None
-    return CompactGrad(rows, g.meta, shape), None, None, None, None, None, None, db, None, None, None
+    return CompactGrad(rows, g.meta, shape), None, None, None, None, None, None, db, None, None, None, None
 
 
 def prefix_attention(
@@ -231,15 +232,18 @@ def prefix_attention(
     bias: torch.Tensor | None = None,
     docs: DocSpans | None = None,
     head: int | None = None,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [s, b, nq·d], k, v [b, nkv, s, d]): a chunk at positions [offset, offset + s) attending to ``source``'s
     earlier keys/values and causally to its own; k (rotated) and v are this chunk's, for the later chunks.
     ``docs`` (b = 1, with ``head``): the chunk's rows [0, head) are the sequence's tail and the only ones that see
     the prefix; the rest are packed documents (attention within each, RoPE at ``docs``' positions, which for the
-    tail's rows must already count from ``offset``)."""
+    tail's rows must already count from ``offset``). ``width``: on flex, such a chunk's prefix ++ own keys are padded
+    to this length, so one compiled variant serves every prefix (``tail_flex``; ChunkFlow passes its longest
+    sequence's n·C)."""
     assert (docs is None) == (head is None), "a packed last chunk names its documents and its tail's rows"
     wants = torch.is_grad_enabled() and (qkv.requires_grad or (bias is not None and bias.requires_grad))
-    return PrefixAttentionFn.apply(qkv, nq, nkv, cos, sin, offset, source, bias, docs, head, wants)
+    return PrefixAttentionFn.apply(qkv, nq, nkv, cos, sin, offset, source, bias, docs, head, wants, width)
 
 
 def prefix_attention_reference(
