@@ -44,9 +44,11 @@ Modes, each on the same data and model, every rank in the same process group:
   average (``--chunkflow-batch``, :func:`chunkflow_batch`): both then take optimizer steps of the same size, and
   the pipeline gets as many chunks per step as packing gets windows' worth. ``mcore-fixed`` keeps the layout's
   global batch (its time per real token does not depend on it: every sequence is its own padded micro-batch).
-* ``chunkflow/tails``: ``chunkflow`` with ``chunkflow.pack_tails=true`` (decision 1233: short sequences fill the long
-  ones' last chunks), so both settings time in one call; on CUDA its FlexAttention variants compile before the
-  warm-up step (``tail_compile_s``). Not in the default lists.
+* ``chunkflow`` packs short sequences into long ones' last chunks too (``chunkflow.pack_tails``, on by default since
+  decision 1248); on CUDA its one FlexAttention variant compiles before the warm-up step (``tail_compile_s``).
+  ``chunkflow/notails``: with ``chunkflow.pack_tails=false`` (each long sequence pads its last chunk), so both
+  settings time in one call; ``chunkflow/tails`` names the default explicitly (what calls before the flip ran).
+  Neither is in the default lists.
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
 ``chunkflow`` when ``--modes`` has it; the modes it names run even if ``--modes`` lacks them) at the others, each on
@@ -135,8 +137,9 @@ LAYOUTS: dict[str, dict] = {
     "cpu_tiny": dict(config="configs/cpu_toy.yaml", ranks=1, overrides=_TINY, max_length=128, docs=1500),
 }
 MODES = ("mcore-fixed", "padded", "chunkflow")
-EXTRA_MODES = ("padded/causal", "padded/selective", "padded/full", "chunkflow/tails")
-CHUNKED = ("chunkflow", "chunkflow/tails")  # ChunkFlow's rows: whole sequences per step, chunks of --chunk-size
+EXTRA_MODES = ("padded/causal", "padded/selective", "padded/full", "chunkflow/tails", "chunkflow/notails")
+# ChunkFlow's rows: whole sequences per step, chunks of --chunk-size
+CHUNKED = ("chunkflow", "chunkflow/tails", "chunkflow/notails")
 PACKED = ("padded", "padded/selective", "padded/full")  # packing with document attention: vs_padded's reference
 MCORE = "mcore-fixed"
 
@@ -168,6 +171,7 @@ def mode_overrides(mode: str, a: argparse.Namespace, batch: int | None = None) -
         "padded/causal": [],
         "chunkflow": chunkflow_overrides(a, batch) if a.chunk_size else [],
         "chunkflow/tails": [*chunkflow_overrides(a, batch), "chunkflow.pack_tails=true"] if a.chunk_size else [],
+        "chunkflow/notails": [*chunkflow_overrides(a, batch), "chunkflow.pack_tails=false"] if a.chunk_size else [],
     }[mode]
 
 

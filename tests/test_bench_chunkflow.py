@@ -17,7 +17,7 @@ def _smoke(out: str) -> dict:
 
     import bench_chunkflow as bc
 
-    modes = "mcore-fixed,padded,padded/causal,chunkflow,chunkflow/tails"
+    modes = "mcore-fixed,padded,padded/causal,chunkflow,chunkflow/notails"
     args = ["cpu_tiny", "--modes", modes, "--steps", "2", "--out-dir", out, "--data-dir", str(Path(out) / "data")]
     rc = bc.main(args)
     return {"rc": rc, "report": json.loads((Path(out) / "chunkflow_cpu_tiny.json").read_text())}
@@ -30,9 +30,9 @@ def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
     rep = r["report"]
     assert r["rc"] == 0 and rep["partial"] is False and rep["device"] == "1x cpu"
     by = {c["mode"]: c for c in rep["cases"]}
-    assert list(by) == ["mcore-fixed", "padded", "padded/causal", "chunkflow", "chunkflow/tails"]
+    assert list(by) == ["mcore-fixed", "padded", "padded/causal", "chunkflow", "chunkflow/notails"]
     assert by["mcore-fixed"]["error"].startswith("not available: needs CUDA")
-    for mode in ("padded", "padded/causal", "chunkflow", "chunkflow/tails"):
+    for mode in ("padded", "padded/causal", "chunkflow", "chunkflow/notails"):
         c = by[mode]
         assert "error" not in c, c
         assert c["real_tokens_per_s"] > 0 and c["step_ms"] > 0 and all(np.isfinite(c["losses"]))
@@ -42,12 +42,12 @@ def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
     assert 0.5 < by["chunkflow"]["chunk_fill"] <= 1 and by["padded"]["chunk_fill"] is None
     # what each row ran with is in the row: recompute, K and tails (ChunkFlow only)
     assert by["padded"]["recompute"] == "none" and by["padded"]["max_chunks_in_memory"] is None
-    assert by["chunkflow"]["max_chunks_in_memory"] == 2 and by["chunkflow"]["pack_tails"] is False
-    # the tails row packs short documents into the long ones' last chunks: the same sequences in fewer, fuller chunks
-    tails = by["chunkflow/tails"]
-    assert tails["pack_tails"] is True and tails["global_batch_size"] == by["chunkflow"]["global_batch_size"]
-    assert tails["real_tokens_per_step"] == by["chunkflow"]["real_tokens_per_step"]
-    assert tails["chunk_fill"] > by["chunkflow"]["chunk_fill"]
+    assert by["chunkflow"]["max_chunks_in_memory"] == 2 and by["chunkflow"]["pack_tails"] is True  # the default
+    # without tails packed each long sequence pads its last chunk: the same sequences in more, emptier chunks
+    bare, tails = by["chunkflow/notails"], by["chunkflow"]
+    assert bare["pack_tails"] is False and tails["global_batch_size"] == bare["global_batch_size"]
+    assert tails["real_tokens_per_step"] == bare["real_tokens_per_step"]
+    assert tails["chunk_fill"] > bare["chunk_fill"]
     # packing has no padding: every input position of the global batch is a real token
     causal = by["padded/causal"]
     assert causal["real_tokens_per_step"] == 4 * 128 and causal["padding_share"] == 0.0

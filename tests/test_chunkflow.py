@@ -1044,14 +1044,14 @@ def test_chunkflow_runs_eagerly_and_says_why() -> None:
 
 def test_pack_tails_is_one_flag_away() -> None:
     """``chunkflow.pack_tails`` (decision 1233) reaches the trainer's step: on (with document attention) short
-    sequences fill long sequences' last chunks and the fill rises; off (the default), each long sequence pads its
-    last chunk."""
+    sequences fill long sequences' last chunks and the fill rises (the default, decision 1248); off, each long
+    sequence pads its last chunk."""
     from types import SimpleNamespace
 
     from megasparse.chunkflow.config import chunkflow_line
     from megasparse.chunkflow.step import chunk_step
 
-    assert load_config(None, tiny()).chunkflow.pack_tails is False
+    assert load_config(None, tiny()).chunkflow.pack_tails is True
     fills = {}
     for tails in (True, False):
         ov = ["chunkflow.enabled=true", "data.document_attention=true", f"chunkflow.pack_tails={tails}"]

@@ -16,7 +16,13 @@ from megasparse.parallel.planner import chunkflow_estimate, chunks_held, kv_stor
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
 WHOLE, EIGHT = "configs/gpu_8b_tp2_pp2_sp.yaml", "configs/gpu_8b8l_tp2_pp2_sp.yaml"
-CHUNKS = ["model.seq_length=8192", "chunkflow.enabled=true", "data.document_attention=true"]
+# the GPU's points below ran without tails packed (decision 1248 turned them on by default later)
+CHUNKS = [
+    "model.seq_length=8192",
+    "chunkflow.enabled=true",
+    "data.document_attention=true",
+    "chunkflow.pack_tails=false",
+]
 LONGEST = 32762  # the benchmark's long-tail set's longest sequence: 4 chunks of 8192
 
 
@@ -97,6 +103,24 @@ def test_estimate_against_the_gpu(path: str, keep: int, chunk: int, measured: fl
     assert max(range(2), key=lambda r: plan.stages[r].mem_gib) == 0
     assert measured - 1.1 < peak < measured, (peak, measured, plan.notes)
     assert plan.stages[0].act_gib == pytest.approx((keep + 2) * plan.stages[0].mb_act_gib + plan.stages[0].kv_gib)
+
+
+def test_tails_add_their_padded_keys() -> None:
+    """Tails packed on flex (the default, decision 1248): each in-flight sequence's packed last chunk keeps its keys and
+    values padded to the longest sequence's chunks, less its own (0.875 GiB for 8 chunks of 4096 on a 16-layer stage
+    at tp 2). Measured on four H200s capped at 79.1 GiB (2026-11-28, call D): 72.50 GiB on the first stage, 0.76 more
+    than without; the estimate is within 0.2 GiB of it. The bias kernels and no document attention add nothing."""
+    from megasparse.parallel.planner import tail_keys_bytes
+
+    ov = ["model.seq_length=4096", "chunkflow.max_chunks_in_memory=5"]
+    on = _cfg(WHOLE, *ov, "chunkflow.pack_tails=true")
+    assert tail_keys_bytes(on, 16, LONGEST) == 16 * 4 * 128 * 7 * 4096 * 2 * 2 == 0.875 * GIB
+    plan = chunkflow_estimate(on, [16, 16], None, 1, LONGEST)
+    off = chunkflow_estimate(_cfg(WHOLE, *ov), [16, 16], None, 1, LONGEST)
+    assert plan.stages[0].mem_gib - off.stages[0].mem_gib == pytest.approx(0.875)
+    assert abs(plan.stages[0].mem_gib - 72.50) < 0.2 and "tail keys 0.875 GiB" in plan.notes[0], plan.notes
+    for other in ("data.document_attention_kernel=bias", "data.document_attention=false"):
+        assert tail_keys_bytes(_cfg(WHOLE, *ov, "chunkflow.pack_tails=true", other), 16, LONGEST) == 0.0
 
 
 def test_estimate_grows_with_what_chunkflow_keeps() -> None:

@@ -35,14 +35,13 @@ class ChunkFlowConfig:
     own, then the single chunks run 1F1B: the order before it). ``filter.mode=collider`` runs either: a sequence's
     kept positions, chosen on the last stage, cross each stage boundary with the gradient of its first backward
     (decision 1223)."""
-    pack_tails: bool = False
+    pack_tails: bool = True
     """With ``data.document_attention`` (short sequences packed): the short sequences' first-fit also fills the
     padding after a long sequence's last piece (decision 1233). Only the long sequence's rows of that chunk attend to
-    its earlier chunks; the short documents attend within themselves from position 0. Exact on GPU, and on the
-    benchmark's long-tail set it lifts the chunks' fill from 91% to 99%, but on 4 H200s the step ran 10-11% slower:
-    those chunks' own attention took the document-mask bias kernels (2.5-3x causal attention) in every layer. They
-    now run FlexAttention where ``data.document_attention_kernel`` picks it (decision 1239); off by default until a
-    4-GPU A/B shows that pays (decision 1233)."""
+    its earlier chunks; the short documents attend within themselves from position 0. On CUDA those chunks run one
+    FlexAttention call, compiled once before the first step for every prefix length (tens of seconds; decision
+    1248); on the whole 8B (four H200s, chunks of 4096) it lifted the fill from 87% to 99% and the real tokens/s by
+    5.6%. false: each long sequence pads its last chunk (no compile)."""
     sequences_in_flight: int = 1
     """``state_aware``: long sequences in progress on a stage at once. 2 lets the next sequence's forwards fill
     the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones) at the

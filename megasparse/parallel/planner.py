@@ -298,6 +298,19 @@ def kv_store_bytes(cfg: Config, layers: int, length: int) -> float:
     return layers * heads * m.head_dim * n * m.seq_length * (2 * _elem(cfg) + 2 * 4)
 
 
+def tail_keys_bytes(cfg: Config, layers: int, length: int) -> float:
+    """A packed last chunk's FlexAttention leaves on a stage of ``layers`` blocks, one TP rank
+    (``chunkflow.pack_tails`` with flex, decision 1248): its keys and values padded to the longest sequence's n·C
+    positions (compute dtype), kept from its forward to its backward, less its own C (they stand in for the chunk's
+    keys/values output, a copy on the other kernels). The bias kernels keep nothing extra."""
+    m, d = cfg.model, cfg.data
+    n = sequence_chunks(cfg, length)
+    if n < 2 or not (cfg.chunkflow.pack_tails and d.document_attention) or d.document_attention_kernel == "bias":
+        return 0.0
+    heads = max(1, m.kv_heads // cfg.parallel.tp)
+    return layers * heads * m.head_dim * (n - 1) * m.seq_length * 2 * _elem(cfg)
+
+
 def chunkflow_estimate(
     cfg: Config, split: list[int], vocab: int | None = None, dp: int = 1, longest: int | None = None
 ) -> Plan:
@@ -305,7 +318,8 @@ def chunkflow_estimate(
     the activations of ``chunks_held`` chunks, each one micro-batch of ``model.seq_length`` tokens (``estimate``'s
     own count); the K/V stores of the sequences in progress, sized by the ``longest`` sequence (tokens; None: one
     of K chunks, at least two: the shortest long sequence whose K chunks are all held); the inputs the earlier
-    chunks keep for their rerun; the loss layer's working set once. FLOPs are per chunk."""
+    chunks keep for their rerun; with tails packed on flex, the padded keys of each in-flight sequence's last chunk
+    (``tail_keys_bytes``); the loss layer's working set once. FLOPs are per chunk."""
     cf, m, p = cfg.chunkflow, cfg.model, cfg.parallel
     base = estimate(cfg, split, False, vocab, dp)
     pp, elem = len(split), _elem(cfg)
@@ -321,11 +335,13 @@ def chunkflow_estimate(
         held = chunks_held(cf.pipeline_schedule, pp, r, cf.max_chunks_in_memory, n, window, singles)
         seqs = window if r < pp - 1 else 1  # the last stage ends one sequence before it starts the next
         kv = seqs * kv_store_bytes(cfg, s.layers, longest)
+        tails = seqs * tail_keys_bytes(cfg, s.layers, longest)
         rerun = seqs * (n - min(n, cf.max_chunks_in_memory)) * hidden if r else 0.0  # received inputs, kept
-        s.act_gib, s.kv_gib = held * s.mb_act_gib + s.loss_gib + (kv + rerun) / GIB, kv / GIB
+        s.act_gib, s.kv_gib = held * s.mb_act_gib + s.loss_gib + (kv + rerun + tails) / GIB, kv / GIB
         note = f"stage {r}: {held} chunks held x {s.mb_act_gib:.3f} + K/V store {kv / GIB:.3f}"
         note += f" + loss {s.loss_gib:.3f}" if s.loss_gib else ""
-        notes.append(note + (f" + rerun inputs {rerun / GIB:.3f}" if rerun else "") + " GiB")
+        note += f" + rerun inputs {rerun / GIB:.3f}" if rerun else ""
+        notes.append(note + (f" + tail keys {tails / GIB:.3f}" if tails else "") + " GiB")
     order = cf.pipeline_schedule + (
         f", {window} sequence(s) in flight" if cf.pipeline_schedule == "state_aware" else ""
     )
