@@ -121,6 +121,19 @@ def test_packed_tail_on_flex_matches_reference(case: str, dtype: torch.dtype, ro
     assert any(k[0] == "bias" for k in keys) == (route == "cpu")  # the bias kernels ran only for the CPU backward
 
 
+def test_a_chunk_past_the_width_runs_unpadded():
+    """A prefix longer than the run was sized for (P + C > width): that chunk's keys are its exact P + C (its own
+    variant, compiled when it comes), with the same numbers."""
+    s, prefix = CASES["gqa2-tiles"][:2]
+    mine, ref, docs = run("gqa2-tiles", torch.float64, "cpu", width=prefix + s - 1)
+    assert worst(mine, ref) < 1e-10
+    assert ("tail_flex_mask", CASES["gqa2-tiles"][5][0], prefix, prefix + s, "cpu") in docs._cache
+    assert (
+        tail_flex.width_for(s, prefix, prefix + s - 1) is None
+        and tail_flex.width_for(s, prefix, prefix + s) == prefix + s
+    )
+
+
 def test_bias_kernel_keeps_the_merge():
     """``data.document_attention_kernel=bias`` (and ``auto`` on CPU): the old two-kernel path, the same numbers."""
     for kernel in ("bias", "auto"):
