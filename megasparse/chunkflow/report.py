@@ -105,7 +105,7 @@ def format_plan_report(rep: dict) -> str:
     )
     lines.append(
         "pack_tails=true is the default: on CUDA it compiles one FlexAttention variant before the first step "
-        "(23-46 s on four H200s; decisions 1233, 1248)"
+        "(23-49 s on H200s and an H100; decisions 1233, 1248)"
     )
     return "\n".join(lines)
 
