@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -36,6 +37,10 @@ def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
         c = by[mode]
         assert "error" not in c, c
         assert c["real_tokens_per_s"] > 0 and c["step_ms"] > 0 and all(np.isfinite(c["losses"]))
+        # the timed steps' tokens over their summed time (ChunkFlow's steps differ in size), each step kept
+        each, real = c["step_ms_each"], c["real_tokens_each"]
+        assert len(each) == len(real) == 2 and c["step_ms"] == pytest.approx(sum(each) / 2)
+        assert c["real_tokens_per_s"] == pytest.approx(1e3 * sum(real) / sum(each))
     # ChunkFlow's step holds about as many tokens as one packed step: many more sequences than windows
     assert by["chunkflow"]["global_batch_size"] > 2 * by["padded"]["global_batch_size"]
     assert 0.5 < by["chunkflow"]["real_tokens_per_step"] / by["padded"]["real_tokens_per_step"] < 2
