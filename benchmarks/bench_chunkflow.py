@@ -44,11 +44,10 @@ Modes, each on the same data and model, every rank in the same process group:
   average (``--chunkflow-batch``, :func:`chunkflow_batch`): both then take optimizer steps of the same size, and
   the pipeline gets as many chunks per step as packing gets windows' worth. ``mcore-fixed`` keeps the layout's
   global batch (its time per real token does not depend on it: every sequence is its own padded micro-batch).
-* ``chunkflow`` packs short sequences into long ones' last chunks too (``chunkflow.pack_tails``, on by default since
-  decision 1248); on CUDA its one FlexAttention variant compiles before the warm-up step (``tail_compile_s``).
-  ``chunkflow/notails``: with ``chunkflow.pack_tails=false`` (each long sequence pads its last chunk), so both
-  settings time in one call; ``chunkflow/tails`` names the default explicitly (what calls before the flip ran).
-  Neither is in the default lists.
+* ``chunkflow`` on CUDA at bf16 packs short sequences into long ones' last chunks too (``chunkflow.pack_tails``
+  null: on where those chunks run FlexAttention, decision 1248); its one FlexAttention variant compiles before the
+  warm-up step (``tail_compile_s``). ``chunkflow/tails`` and ``chunkflow/notails`` force ``chunkflow.pack_tails``
+  true and false, so both settings time in one call. Neither is in the default lists.
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
 ``chunkflow`` when ``--modes`` has it; the modes it names run even if ``--modes`` lacks them) at the others, each on
@@ -101,6 +100,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_trainer as bt  # noqa: E402
 
+from megasparse.chunkflow.config import tails_packed  # noqa: E402
 from megasparse.chunkflow.tailwarm import warm_tails  # noqa: E402
 from megasparse.config import ConfigError, load_config  # noqa: E402
 from megasparse.configbase import parse_with_overrides  # noqa: E402
@@ -307,7 +307,7 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
         "mem_gib_per_rank": None if any(math.isnan(m) for m in mems) else mems,  # which stage peaks (decision 1247)
         "recompute": cfg.model.recompute,  # mcore-fixed's too: the anchor maps full to Megatron-LM's full recompute
         "max_chunks_in_memory": cfg.chunkflow.max_chunks_in_memory if cfg.chunkflow.enabled else None,
-        "pack_tails": cfg.chunkflow.pack_tails if cfg.chunkflow.enabled else None,
+        "pack_tails": tails_packed(cfg, dev.type == "cuda") if cfg.chunkflow.enabled else None,  # as resolved
         "seq_length": cfg.model.seq_length,
         "global_batch_size": cfg.train.global_batch_size,
         "chunk_fill": r["chunk_fill"],  # ChunkFlow: real / label slots of its chunks (decision 1233); else None

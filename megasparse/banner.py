@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megasparse.chunkflow.config import chunkflow_line, known_longest
+from megasparse.chunkflow.config import chunkflow_line, known_longest, tails_packed
 from megasparse.config import Config
 from megasparse.loss.config import resolve_impl
 from megasparse.metrics import device_mem_gib, param_counts, short_count
@@ -209,7 +209,8 @@ def format_banner(cfg: Config, f: RunFacts) -> str:
     if memory:
         lines.append(f"  memory     {memory}")
     if cfg.chunkflow.enabled:
-        lines.append(f"  chunkflow  {chunkflow_line(cfg)}")
+        half = f.dtype in (torch.bfloat16, torch.float16)
+        lines.append(f"  chunkflow  {chunkflow_line(cfg, tails_packed(cfg, f.device.type == 'cuda', half))}")
     if fl.mode == "off":
         lines.append("  filter     off")
     else:

@@ -18,7 +18,7 @@ def _smoke(out: str) -> dict:
 
     import bench_chunkflow as bc
 
-    modes = "mcore-fixed,padded,padded/causal,chunkflow,chunkflow/notails"
+    modes = "mcore-fixed,padded,padded/causal,chunkflow,chunkflow/tails"
     args = ["cpu_tiny", "--modes", modes, "--steps", "2", "--out-dir", out, "--data-dir", str(Path(out) / "data")]
     rc = bc.main(args)
     return {"rc": rc, "report": json.loads((Path(out) / "chunkflow_cpu_tiny.json").read_text())}
@@ -31,9 +31,9 @@ def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
     rep = r["report"]
     assert r["rc"] == 0 and rep["partial"] is False and rep["device"] == "1x cpu"
     by = {c["mode"]: c for c in rep["cases"]}
-    assert list(by) == ["mcore-fixed", "padded", "padded/causal", "chunkflow", "chunkflow/notails"]
+    assert list(by) == ["mcore-fixed", "padded", "padded/causal", "chunkflow", "chunkflow/tails"]
     assert by["mcore-fixed"]["error"].startswith("not available: needs CUDA")
-    for mode in ("padded", "padded/causal", "chunkflow", "chunkflow/notails"):
+    for mode in ("padded", "padded/causal", "chunkflow", "chunkflow/tails"):
         c = by[mode]
         assert "error" not in c, c
         assert c["real_tokens_per_s"] > 0 and c["step_ms"] > 0 and all(np.isfinite(c["losses"]))
@@ -47,10 +47,11 @@ def test_cpu_tiny_smoke_writes_every_mode(tmp_path) -> None:
     assert 0.5 < by["chunkflow"]["chunk_fill"] <= 1 and by["padded"]["chunk_fill"] is None
     # what each row ran with is in the row: recompute, K and tails (ChunkFlow only)
     assert by["padded"]["recompute"] == "none" and by["padded"]["max_chunks_in_memory"] is None
-    assert by["chunkflow"]["max_chunks_in_memory"] == 2 and by["chunkflow"]["pack_tails"] is True  # the default
-    # without tails packed each long sequence pads its last chunk: the same sequences in more, emptier chunks
-    bare, tails = by["chunkflow/notails"], by["chunkflow"]
-    assert bare["pack_tails"] is False and tails["global_batch_size"] == bare["global_batch_size"]
+    # pack_tails null on CPU: the packed last chunks would run the bias kernels, so each long sequence pads its last
+    assert by["chunkflow"]["max_chunks_in_memory"] == 2 and by["chunkflow"]["pack_tails"] is False
+    # the tails row packs short documents into the long ones' last chunks: the same sequences in fewer, fuller chunks
+    bare, tails = by["chunkflow"], by["chunkflow/tails"]
+    assert tails["pack_tails"] is True and tails["global_batch_size"] == bare["global_batch_size"]
     assert tails["real_tokens_per_step"] == bare["real_tokens_per_step"]
     assert tails["chunk_fill"] > bare["chunk_fill"]
     # packing has no padding: every input position of the global batch is a real token

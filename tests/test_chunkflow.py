@@ -1043,22 +1043,36 @@ def test_chunkflow_runs_eagerly_and_says_why() -> None:
 
 
 def test_pack_tails_is_one_flag_away() -> None:
-    """``chunkflow.pack_tails`` (decision 1233) reaches the trainer's step: on (with document attention) short
-    sequences fill long sequences' last chunks and the fill rises (the default, decision 1248); off, each long
-    sequence pads its last chunk."""
+    """``chunkflow.pack_tails`` (decision 1233) reaches the trainer's step: true (with document attention) short
+    sequences fill long sequences' last chunks and the fill rises; false, each long sequence pads its last chunk.
+    null, the default (decision 1248), packs them where those chunks run FlexAttention: flex, or auto on CUDA at
+    bf16/fp16; here on CPU (auto: the bias kernels) it does not."""
     from types import SimpleNamespace
 
-    from megasparse.chunkflow.config import chunkflow_line
+    from megasparse.chunkflow.config import chunkflow_line, tails_on_flex, tails_packed
     from megasparse.chunkflow.step import chunk_step
 
-    assert load_config(None, tiny()).chunkflow.pack_tails is True
+    assert load_config(None, tiny()).chunkflow.pack_tails is None
     fills = {}
-    for tails in (True, False):
-        ov = ["chunkflow.enabled=true", "data.document_attention=true", f"chunkflow.pack_tails={tails}"]
+    for tails in (True, False, None):
+        ov = ["chunkflow.enabled=true", "data.document_attention=true"]
+        ov += [] if tails is None else [f"chunkflow.pack_tails={str(tails).lower()}"]
         cfg = load_config(None, tiny(train__micro_batch_size=1, train__global_batch_size=64) + ov)
-        assert ("last chunks" in chunkflow_line(cfg)) == tails
+        on = bool(tails) or (tails is None and tails_packed(cfg, cuda=False))
+        assert ("last chunks" in chunkflow_line(cfg, tails_packed(cfg, cuda=False))) == on
         step = chunk_step(cfg, SimpleNamespace(chunks=[None]), 250, 1, 0, torch.device("cpu"))
         plan = step.batches(0).plan
-        assert any(len(g.chunks) > 1 and len(g.chunks[-1].pieces) > 1 for g in plan.groups) == tails
+        assert any(len(g.chunks) > 1 and len(g.chunks[-1].pieces) > 1 for g in plan.groups) == on
         fills[tails] = plan.real_tokens / plan.slots
-    assert fills[True] > fills[False]
+    assert fills[True] > fills[False] == fills[None]
+    # null resolves by where the packed last chunk's attention runs
+    cfg = load_config(None, tiny() + ["chunkflow.enabled=true", "data.document_attention=true"])
+    assert tails_packed(cfg, cuda=True, half=True) and not tails_packed(cfg, cuda=True, half=False)
+    assert not tails_packed(cfg, cuda=False, half=True) and tails_on_flex(cfg, cuda=True, half=True)
+    flex = load_config(None, tiny() + ["chunkflow.enabled=true", "data.document_attention=true",
+                                       "data.document_attention_kernel=flex"])  # fmt: skip
+    assert tails_packed(flex, cuda=False, half=False)
+    bias = load_config(None, tiny() + ["chunkflow.enabled=true", "data.document_attention=true",
+                                       "data.document_attention_kernel=bias"])  # fmt: skip
+    assert not tails_packed(bias, cuda=True, half=True)
+    assert not tails_packed(load_config(None, tiny() + ["chunkflow.enabled=true", "chunkflow.pack_tails=true"]))

@@ -35,13 +35,14 @@ class ChunkFlowConfig:
     own, then the single chunks run 1F1B: the order before it). ``filter.mode=collider`` runs either: a sequence's
     kept positions, chosen on the last stage, cross each stage boundary with the gradient of its first backward
     (decision 1223)."""
-    pack_tails: bool = True
+    pack_tails: bool | None = None
     """With ``data.document_attention`` (short sequences packed): the short sequences' first-fit also fills the
     padding after a long sequence's last piece (decision 1233). Only the long sequence's rows of that chunk attend to
-    its earlier chunks; the short documents attend within themselves from position 0. On CUDA those chunks run one
-    FlexAttention call, compiled once before the first step for every prefix length (tens of seconds; decision
-    1248); on the whole 8B (four H200s, chunks of 4096) it lifted the fill from 87% to 99% and the real tokens/s by
-    5.6%. false: each long sequence pads its last chunk (no compile)."""
+    its earlier chunks; the short documents attend within themselves from position 0. null (the default): on where
+    that chunk runs FlexAttention (``data.document_attention_kernel`` flex, or auto on CUDA at bf16/fp16), one
+    variant compiled before the first step for every prefix length (tens of seconds; decision 1248), which on the
+    whole 8B lifted the fill from 87% to 99% and the real tokens/s by 5.6%; off on the bias kernels, where it ran
+    10-11% slower. true/false: always/never (false: each long sequence pads its last chunk)."""
     sequences_in_flight: int = 1
     """``state_aware``: long sequences in progress on a stage at once. 2 lets the next sequence's forwards fill
     the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones) at the
@@ -122,13 +123,33 @@ def known_longest(cfg) -> int | None:
     return limit
 
 
-def chunkflow_line(cfg) -> str:
-    """The start banner's line: what a step holds, what K keeps and whether short sequences share chunks."""
+def tails_on_flex(cfg, cuda: bool = True, half: bool | None = None) -> bool:
+    """Whether a packed last chunk's attention runs FlexAttention: ``data.document_attention_kernel`` flex, or auto
+    on CUDA at bf16/fp16 (``half``; None: ``train.dtype`` is not fp32), as ``ops/doc_flex.chosen`` decides."""
+    kernel = getattr(cfg.data, "document_attention_kernel", "bias")
+    half = cfg.train.dtype != "fp32" if half is None else half
+    return kernel == "flex" or (kernel == "auto" and cuda and half)
+
+
+def tails_packed(cfg, cuda: bool = True, half: bool | None = None) -> bool:
+    """Whether short sequences also fill long sequences' last chunks: never without ``data.document_attention``;
+    ``chunkflow.pack_tails`` where set; null: where those chunks run FlexAttention (``tails_on_flex``; decision
+    1248). ``cuda``/``half``: the run's device and compute precision (the planner sizes a GPU: CUDA)."""
+    if not getattr(cfg.data, "document_attention", False):
+        return False
+    forced = cfg.chunkflow.pack_tails
+    return tails_on_flex(cfg, cuda, half) if forced is None else forced
+
+
+def chunkflow_line(cfg, tails: bool | None = None) -> str:
+    """The start banner's line: what a step holds, what K keeps and whether short sequences share chunks
+    (``tails``: ``tails_packed`` for the run's device; None: for CUDA)."""
     cf, t = cfg.chunkflow, cfg.train
     limit = sequence_limit(cfg)
     packed = "one per chunk"
+    tails = tails_packed(cfg) if tails is None else tails
     if getattr(cfg.data, "document_attention", False):
-        packed = "packed (document attention)" + (", also into long sequences' last chunks" if cf.pack_tails else "")
+        packed = "packed (document attention)" + (", also into long sequences' last chunks" if tails else "")
     line = (
         f"on: {t.global_batch_size} whole sequences/step{'' if limit is None else f' (up to {limit} tokens)'} in "
         f"chunks of {cfg.model.seq_length}, activations of K={cf.max_chunks_in_memory} chunks per sequence kept, "

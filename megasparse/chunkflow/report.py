@@ -104,8 +104,8 @@ def format_plan_report(rep: dict) -> str:
         "work/real: chunk work per real prediction (packing into windows: 1.000), attention and bubbles not counted"
     )
     lines.append(
-        "pack_tails=true is the default: on CUDA it compiles one FlexAttention variant before the first step "
-        "(23-49 s on H200s and an H100; decisions 1233, 1248)"
+        "pack_tails is on by default where the packed last chunks run FlexAttention (CUDA at bf16/fp16): one "
+        "variant compiled before the first step, 23-49 s on H200s and an H100 (decisions 1233, 1248)"
     )
     return "\n".join(lines)
 

@@ -29,7 +29,7 @@ from functools import cached_property, partial
 import numpy as np
 import torch
 
-from megasparse.chunkflow.config import sequence_limit
+from megasparse.chunkflow.config import sequence_limit, tails_packed
 from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.filter import ChunkReference, ChunkSelection
 from megasparse.chunkflow.plan import Chunk, Group, StepPlan, chunk_arrays, plan_step
@@ -228,8 +228,8 @@ def chunk_step(
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
         max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), schedule=pipeline_schedule(cf),
         doc_kernel=getattr(cfg.data, "document_attention_kernel", "bias"),
-        reference=None if reference is None else ChunkReference(reference), pack_tails=cf.pack_tails,
-        steps=cfg.train.steps,
+        reference=None if reference is None else ChunkReference(reference),
+        pack_tails=tails_packed(cfg, device.type == "cuda"), steps=cfg.train.steps,
     )  # fmt: skip
 
 

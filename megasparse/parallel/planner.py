@@ -31,6 +31,7 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from megasparse.chunkflow.config import tails_on_flex, tails_packed
 from megasparse.config import Config, ConfigError, load_config
 from megasparse.configbase import parse_with_overrides
 from megasparse.parallel.config import AUTO, AutoSplit
@@ -303,9 +304,9 @@ def tail_keys_bytes(cfg: Config, layers: int, length: int) -> float:
     (``chunkflow.pack_tails`` with flex, decision 1248): its keys and values padded to the longest sequence's n·C
     positions (compute dtype), kept from its forward to its backward, less its own C (they stand in for the chunk's
     keys/values output, a copy on the other kernels). The bias kernels keep nothing extra."""
-    m, d = cfg.model, cfg.data
+    m = cfg.model
     n = sequence_chunks(cfg, length)
-    if n < 2 or not (cfg.chunkflow.pack_tails and d.document_attention) or d.document_attention_kernel == "bias":
+    if n < 2 or not (tails_packed(cfg) and tails_on_flex(cfg)):
         return 0.0
     heads = max(1, m.kv_heads // cfg.parallel.tp)
     return layers * heads * m.head_dim * (n - 1) * m.seq_length * 2 * _elem(cfg)
