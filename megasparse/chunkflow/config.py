@@ -125,10 +125,12 @@ def known_longest(cfg) -> int | None:
 
 def tails_on_flex(cfg, cuda: bool = True, half: bool | None = None) -> bool:
     """Whether a packed last chunk's attention runs FlexAttention: ``data.document_attention_kernel`` flex, or auto
-    on CUDA at bf16/fp16 (``half``; None: ``train.dtype`` is not fp32), as ``ops/doc_flex.chosen`` decides."""
-    kernel = getattr(cfg.data, "document_attention_kernel", "bias")
+    on CUDA at bf16/fp16 (``half``; None: ``train.dtype`` is not fp32): ``ops/doc_flex.picks_flex``, the rule its
+    ``chosen`` applies to the chunk's tensors."""
+    from megasparse.ops.doc_flex import picks_flex  # torch's, only when asked: config loading stays light
+
     half = cfg.train.dtype != "fp32" if half is None else half
-    return kernel == "flex" or (kernel == "auto" and cuda and half)
+    return picks_flex(getattr(cfg.data, "document_attention_kernel", "bias"), cuda, half)
 
 
 def tails_packed(cfg, cuda: bool = True, half: bool | None = None) -> bool:
@@ -141,13 +143,12 @@ def tails_packed(cfg, cuda: bool = True, half: bool | None = None) -> bool:
     return tails_on_flex(cfg, cuda, half) if forced is None else forced
 
 
-def chunkflow_line(cfg, tails: bool | None = None) -> str:
+def chunkflow_line(cfg, tails: bool) -> str:
     """The start banner's line: what a step holds, what K keeps and whether short sequences share chunks
-    (``tails``: ``tails_packed`` for the run's device; None: for CUDA)."""
+    (``tails``: ``tails_packed`` for the run's device and precision)."""
     cf, t = cfg.chunkflow, cfg.train
     limit = sequence_limit(cfg)
     packed = "one per chunk"
-    tails = tails_packed(cfg) if tails is None else tails
     if getattr(cfg.data, "document_attention", False):
         packed = "packed (document attention)" + (", also into long sequences' last chunks" if tails else "")
     line = (

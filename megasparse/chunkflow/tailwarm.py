@@ -165,7 +165,7 @@ def warm_tails(cf, steps: range, log: Callable[[str], None] = log0, run: bool | 
         return rec
     attn, dtype = _attention(cf)
     served = ",".join(str(p) for k in todo for p in shared[k])
-    pad = f"; keys padded to {cf.tail_width}" if cf.tail_width else ""
+    pad = f"; keys padded to {width}" if width else ""
     what = f"{len(todo)} FlexAttention tail variant{'s' * (len(todo) > 1)} (P={served}{pad})"
     log(f"chunkflow: compiling {what} for steps {steps.start}-{steps.stop - 1}: 0/{len(todo)}")
     t0 = time.perf_counter()

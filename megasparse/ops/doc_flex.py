@@ -76,14 +76,20 @@ def flex_failed(e: Exception, q: torch.Tensor) -> None:
     warnings.warn(f"megasparse: FlexAttention unavailable ({type(e).__name__}: {e}); using the bias", stacklevel=3)
 
 
+def picks_flex(kernel: str, cuda: bool, half: bool) -> bool:
+    """The rule of ``chosen`` before any tensor exists (a config resolving on it): ``flex`` always, ``auto`` on
+    CUDA at bf16/fp16 (``half``), ``bias`` never."""
+    return kernel == "flex" or (kernel == "auto" and cuda and half)
+
+
 def chosen(kernel: str, q: torch.Tensor) -> bool:
-    """Whether the documents' attention of ``q`` runs on flex: ``flex`` always, ``auto`` on CUDA at bf16/fp16,
-    ``bias`` never; neither after a flex call failed on CUDA (``flex_failed``)."""
+    """Whether the documents' attention of ``q`` runs on flex (``picks_flex``, where this torch has flex); neither
+    after a flex call failed on CUDA (``flex_failed``)."""
     if not _OK["ok"]:
         return False
     if kernel == "flex":
         return True
-    return kernel == "auto" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and available()
+    return picks_flex(kernel, q.is_cuda, q.dtype in (torch.bfloat16, torch.float16)) and available()
 
 
 def has_backward(q: torch.Tensor) -> bool:
