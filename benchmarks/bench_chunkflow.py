@@ -47,7 +47,9 @@ Modes, each on the same data and model, every rank in the same process group:
 * ``chunkflow`` on CUDA at bf16 packs short sequences into long ones' last chunks too (``chunkflow.pack_tails``
   null: on where those chunks run FlexAttention, decision 1248); its one FlexAttention variant compiles before the
   warm-up step (``tail_compile_s``). ``chunkflow/tails`` and ``chunkflow/notails`` force ``chunkflow.pack_tails``
-  true and false, so both settings time in one call. Neither is in the default lists.
+  true and false, so both settings time in one call; ``chunkflow/rendezvous`` sets ``chunkflow.free_sends=false``
+  (the pipeline's transfers before decision 1249). None is in the default lists. ``--in-flight`` sets
+  ``chunkflow.sequences_in_flight`` for every ChunkFlow row.
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
 ``chunkflow`` when ``--modes`` has it; the modes it names run even if ``--modes`` lacks them) at the others, each on
@@ -100,7 +102,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_trainer as bt  # noqa: E402
 
-from megasparse.chunkflow.config import tails_packed  # noqa: E402
+from megasparse.chunkflow.config import frees_sends, tails_packed  # noqa: E402
 from megasparse.chunkflow.tailwarm import warm_tails  # noqa: E402
 from megasparse.config import ConfigError, load_config  # noqa: E402
 from megasparse.configbase import parse_with_overrides  # noqa: E402
@@ -118,7 +120,7 @@ _TINY = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "paral
          "data.valid_fraction=0.1"]  # fmt: skip
 LAYOUTS: dict[str, dict] = {
     # name: config, ranks, overrides, default maximum length S, default number of documents; optional: the default
-    # modes (``MODES``), megatron-core's overrides (none), the chunk size (S / 4) and K (2)
+    # modes (``MODES``), megatron-core's overrides (none), the chunk size (S / 4), K (2) and sequences in flight (1)
     "4gpu_8b": dict(config="configs/gpu_8b8l_tp2_pp2_sp.yaml", ranks=4, overrides=[], max_length=32768, docs=10000),
     # the whole Llama-3-8B: windows of 32K fit 80 GB only with full recompute (`megasparse plan`: 114 GiB without,
     # 95 selective, 40 full at TP 2 x PP 2 + SP), megatron-core's too; ChunkFlow's chunks of 4096 at K = 5 need none
@@ -133,13 +135,15 @@ LAYOUTS: dict[str, dict] = {
         mcore=["model.recompute=full"],
         chunk=4096,
         keep=5,
+        in_flight=2,  # the next sequence's forwards in the turnaround, within K + pp − r graphs (decision 1249)
     ),
     "cpu_tiny": dict(config="configs/cpu_toy.yaml", ranks=1, overrides=_TINY, max_length=128, docs=1500),
 }
 MODES = ("mcore-fixed", "padded", "chunkflow")
-EXTRA_MODES = ("padded/causal", "padded/selective", "padded/full", "chunkflow/tails", "chunkflow/notails")
+EXTRA_MODES = ("padded/causal", "padded/selective", "padded/full", "chunkflow/tails", "chunkflow/notails",
+               "chunkflow/rendezvous")  # fmt: skip
 # ChunkFlow's rows: whole sequences per step, chunks of --chunk-size
-CHUNKED = ("chunkflow", "chunkflow/tails", "chunkflow/notails")
+CHUNKED = ("chunkflow", "chunkflow/tails", "chunkflow/notails", "chunkflow/rendezvous")
 PACKED = ("padded", "padded/selective", "padded/full")  # packing with document attention: vs_padded's reference
 MCORE = "mcore-fixed"
 
@@ -172,6 +176,8 @@ def mode_overrides(mode: str, a: argparse.Namespace, batch: int | None = None) -
         "chunkflow": chunkflow_overrides(a, batch) if a.chunk_size else [],
         "chunkflow/tails": [*chunkflow_overrides(a, batch), "chunkflow.pack_tails=true"] if a.chunk_size else [],
         "chunkflow/notails": [*chunkflow_overrides(a, batch), "chunkflow.pack_tails=false"] if a.chunk_size else [],
+        # the transfers before decision 1249: rendezvous batches, one table slot per op
+        "chunkflow/rendezvous": [*chunkflow_overrides(a, batch), "chunkflow.free_sends=false"] if a.chunk_size else [],
     }[mode]
 
 
@@ -308,6 +314,8 @@ def case_row(mode: str, cfg, r: dict, world: int, max_length: int) -> dict:
         "recompute": cfg.model.recompute,  # mcore-fixed's too: the anchor maps full to Megatron-LM's full recompute
         "max_chunks_in_memory": cfg.chunkflow.max_chunks_in_memory if cfg.chunkflow.enabled else None,
         "pack_tails": tails_packed(cfg, dev.type == "cuda") if cfg.chunkflow.enabled else None,  # as resolved
+        "sequences_in_flight": cfg.chunkflow.sequences_in_flight if cfg.chunkflow.enabled else None,
+        "free_sends": frees_sends(cfg) if cfg.chunkflow.enabled else None,  # decision 1249
         "seq_length": cfg.model.seq_length,
         "global_batch_size": cfg.train.global_batch_size,
         "chunk_fill": r["chunk_fill"],  # ChunkFlow: real / label slots of its chunks (decision 1233); else None
@@ -537,7 +545,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--max-chunks", type=int, default=None, help="chunkflow.max_chunks_in_memory (layout's, else 2)")
     p.add_argument("--chunkflow-batch", type=int, default=0, help="sequences per chunkflow step (0: padded's tokens)")
-    p.add_argument("--in-flight", type=int, default=1, help="chunkflow.sequences_in_flight")
+    p.add_argument("--in-flight", type=int, default=None, help="chunkflow.sequences_in_flight (layout's, else 1)")
     p.add_argument(
         "--gpu-memory-gib", type=float, default=None, help="cap each GPU's allocator here (an 80 GB card: 79.1)"
     )
@@ -557,6 +565,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.chunk_size = lay.get("chunk", min(a.max_lengths[0], lay["max_length"]) // 4)
     if a.max_chunks is None:
         a.max_chunks = lay.get("keep", 2)
+    if a.in_flight is None:
+        a.in_flight = lay.get("in_flight", 1)
     return a
 
 

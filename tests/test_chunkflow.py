@@ -541,23 +541,21 @@ def test_chunks_train_like_whole_sequences_dp2(whole: dict) -> None:
 
 
 def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dict]:
-    """ChunkFlow's gradients and one optimizer step through the pipeline, per variant of the schedule's keys
-    (``WEIGHTED`` among them: tables whose backwards take 2 slots and reruns 3, so outputs wait several
-    boundaries)."""
-    from megasparse.chunkflow.schedule import COST
+    """ChunkFlow's gradients and one optimizer step through the pipeline, per variant of the schedule's keys (by
+    default sends that never wait and tables whose backwards take 2 slots and reruns 3, so outputs wait several
+    boundaries; ``chunkflow.free_sends=false``: rendezvous batches, one slot per op)."""
     from megasparse.ops.compact import densify_count
     from megasparse.parallel.consolidate import full_state_dict
     from megasparse.train import Trainer
 
     out = []
     for v in variants:
-        tr = Trainer(_config(overrides + [o for o in v if o not in (WEIGHTED, PACKED)]))
+        tr = Trainer(_config(overrides + [o for o in v if o != PACKED]))
+        rendezvous = "chunkflow.free_sends=false" in v or "filter.mode=collider" in overrides
+        assert tr.chunkflow.free_sends is not rendezvous
         tr.chunkflow.source = _Fixed(_sequences())
         if PACKED in v:  # document attention on the stand-in data (its config refuses synthetic data): EOD id 0
             tr.chunkflow.eod, tr.chunkflow.pack, tr.chunkflow.pack_tails = 0, True, True
-        if WEIGHTED in v:
-            build = tr.chunkflow.schedule
-            tr.chunkflow.schedule = lambda pp, sizes, keep, build=build: build(pp, sizes, keep, cost=COST)
         before = densify_count()
         tr.compute_gradients()
         densified = densify_count() - before
@@ -570,13 +568,12 @@ def _pipeline_steps(overrides: list[str], variants: list[list[str]]) -> list[dic
     return out
 
 
-WEIGHTED = "weighted tables"
 PACKED = "short sequences packed, into the long one's last chunk too"  # decision 1233
 PIPELINE_VARIANTS = [
     ["chunkflow.max_chunks_in_memory=1"],  # state-aware 1F1B, one long sequence per stage at a time
     ["chunkflow.max_chunks_in_memory=4", "chunkflow.sequences_in_flight=2"],  # two sequences' stores at once
     ["chunkflow.max_chunks_in_memory=1", "chunkflow.pipeline_schedule=gpipe"],  # the order before decision 1226
-    ["chunkflow.max_chunks_in_memory=2", "chunkflow.sequences_in_flight=2", WEIGHTED],  # ops of several slots
+    ["chunkflow.max_chunks_in_memory=2", "chunkflow.sequences_in_flight=2", "chunkflow.free_sends=false"],
     ["chunkflow.max_chunks_in_memory=1", PACKED],  # 8 chunks: the 4-chunk sequence's last holds two short ones
 ]
 
@@ -873,8 +870,9 @@ def test_pipeline_schedules_pair_every_transfer_and_keep_the_order() -> None:
     """On many random long-tail plans (pp 2-4, K 1-12; tables of one slot per op, or 1, 2, 1 for F, B, rerun):
     every boundary's sends meet their receives in the same order on both ends and no stage waits forever; (a)-(c)
     hold (``simulate`` raises otherwise); the state-aware table idles no more than the GPipe-per-group order, in
-    table slots and in the stages' own clocks (B = 2F, rendezvous transfers), and its activations stay within K per
-    sequence plus 1F1B's pp − r independent chunks per stage."""
+    table slots and in the stages' own clocks (B = 2F; rendezvous transfers for the one-slot tables, sends that
+    never wait for the 1, 2, 1 ones, as the executor pairs them), and its activations stay within K per
+    sequence plus 1F1B's pp − r independent chunks per stage, with two sequences in flight too (decision 1249)."""
     from megasparse.chunkflow.schedule import COST, UNIT, gpipe_per_group, simulate, state_aware
 
     rng = np.random.default_rng(30)
@@ -882,13 +880,14 @@ def test_pipeline_schedules_pair_every_transfer_and_keep_the_order() -> None:
     for i in range(300):
         pp, keep, sizes = int(rng.integers(2, 5)), int(rng.integers(1, 13)), _random_sizes(rng)
         cost = COST if i % 2 else UNIT
-        old = simulate(gpipe_per_group(pp, sizes, keep, cost))
+        waits = cost == UNIT  # the executor's two pairings: rendezvous with one slot per op, free sends with COST
+        old = simulate(gpipe_per_group(pp, sizes, keep, cost), sends_wait=waits)
         for window in (1, 2):
-            new = simulate(state_aware(pp, sizes, keep, window, cost))
+            new = simulate(state_aware(pp, sizes, keep, window, cost), sends_wait=waits)
             assert new.idle <= old.idle and new.time <= old.time, (pp, sizes, keep, window, cost, old, new)
             seq = max([min(keep, n) for n in sizes if n > 1], default=0)
             singles = sizes.count(1)
-            assert all(new.peak_graphs[r] <= window * seq + min(pp - r, singles) for r in range(pp)), new
+            assert all(new.peak_graphs[r] <= seq + min(pp - r, singles) for r in range(pp)), new
         fewer += new.idle < old.idle
     assert fewer > 150  # and usually strictly fewer
 
@@ -1076,3 +1075,25 @@ def test_pack_tails_is_one_flag_away() -> None:
                                        "data.document_attention_kernel=bias"])  # fmt: skip
     assert not tails_packed(bias, cuda=True, half=True)
     assert not tails_packed(load_config(None, tiny() + ["chunkflow.enabled=true", "chunkflow.pack_tails=true"]))
+
+
+def test_free_sends_pick_the_tables_costs_and_stay_off_under_collider() -> None:
+    """``chunkflow.free_sends`` (decision 1249): on under pp > 1 by default, with tables built in ``COST``'s
+    proportions; off at pp 1, when asked, and under collider, whose compact gradients need the rendezvous batches;
+    the banner says which."""
+    from megasparse.chunkflow.config import chunkflow_line, frees_sends
+    from megasparse.chunkflow.schedule import COST, UNIT
+    from megasparse.chunkflow.step import pipeline_schedule
+
+    on = _config(["parallel.pp=2"])
+    assert frees_sends(on) and "sends that never wait" in chunkflow_line(on, False)
+    for off in (["parallel.pp=1"], ["parallel.pp=2", "chunkflow.free_sends=false"],
+                ["parallel.pp=2", "filter.mode=collider", "filter.scorer=random"]):  # fmt: skip
+        cfg = _config(off)
+        assert not frees_sends(cfg), off
+        assert off == ["parallel.pp=1"] or "rendezvous transfers" in chunkflow_line(cfg, False)
+    sizes = (3, 1, 2, 1)
+    assert pipeline_schedule(on.chunkflow, True)(2, sizes, 1).cost == COST
+    assert pipeline_schedule(on.chunkflow, False)(2, sizes, 1).cost == UNIT
+    gpipe = _config(["parallel.pp=2", "chunkflow.pipeline_schedule=gpipe"]).chunkflow
+    assert pipeline_schedule(gpipe, True)(2, sizes, 1).cost == COST

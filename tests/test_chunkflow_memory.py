@@ -49,9 +49,9 @@ def held_peak(s: Schedule) -> list[int]:
 
 def test_chunks_held_bounds_the_slot_tables_and_is_reached() -> None:
     """Random long-tail steps (pp 2-4, K 1-5, one to three sequences in flight, both orders): no stage of a table
-    ever holds more graphs than ``chunks_held`` says, and with each order, one or two in flight, some stages hold
-    exactly that many; on the benchmark's kind of step (a 4-chunk sequence among single chunks) K + pp − r on stage
-    r < pp − 1 and K on the last."""
+    ever holds more graphs than ``chunks_held`` says, the same count for any number in flight (decision 1249), and
+    with each order some stages hold exactly that many; on the benchmark's kind of step (a 4-chunk sequence among
+    single chunks) K + pp − r on stage r < pp − 1 and K on the last."""
     rng = np.random.default_rng(47)
     reached: dict[tuple[str, int], int] = {}
     for _ in range(150):
@@ -60,13 +60,15 @@ def test_chunks_held_bounds_the_slot_tables_and_is_reached() -> None:
         tables = [("state_aware", w, state_aware(pp, sizes, keep, w)) for w in (1, 2, 3)]
         tables.append(("gpipe", 1, gpipe_per_group(pp, sizes, keep)))
         for order, window, table in tables:
-            bound = [chunks_held(order, pp, r, keep, max(sizes), window, sizes.count(1)) for r in range(pp)]
+            bound = [chunks_held(order, pp, r, keep, max(sizes), sizes.count(1)) for r in range(pp)]
             peak = held_peak(table)
             assert all(p <= b for p, b in zip(peak, bound)), (order, pp, sizes, keep, window, peak, bound)
             # a stage below the last with single chunks beside a sequence: the case the formula adds up
             full = [p == b for r, (p, b) in enumerate(zip(peak, bound)) if r < pp - 1 and 1 in sizes and max(sizes) > 1]
             reached[(order, window)] = reached.get((order, window), 0) + sum(full)
-    reached.pop(("state_aware", 3))  # three in flight: within the bound, not seen at it
+    # more in flight fill the bubbles with the next sequence's forwards rather than single chunks: within the
+    # bound, seldom at it
+    reached.pop(("state_aware", 2)), reached.pop(("state_aware", 3))
     assert all(n >= 10 for n in reached.values()), reached
     step = (4,) + (1,) * 20
     for keep in (1, 2):
@@ -124,12 +126,12 @@ def test_tails_add_their_padded_keys() -> None:
 
 
 def test_estimate_grows_with_what_chunkflow_keeps() -> None:
-    """A second sequence in flight adds its K chunks and its K/V store on the first stage (not on the last: it ends
-    one sequence before it starts the next); gpipe holds the larger of K and pp − r; a longer sequence grows only
-    the K/V store."""
+    """A second sequence in flight adds only its K/V store on the first stage (its chunks share the stage's budget
+    of graphs, decision 1249; not on the last: it ends one sequence before it starts the next); gpipe holds the
+    larger of K and pp − r; a longer sequence grows only the K/V store."""
     base = chunkflow_estimate(_cfg(WHOLE), [16, 16], None, 1, LONGEST).stages
     two = chunkflow_estimate(_cfg(WHOLE, "chunkflow.sequences_in_flight=2"), [16, 16], None, 1, LONGEST).stages
-    assert two[0].mem_gib - base[0].mem_gib == pytest.approx(2 * base[0].mb_act_gib + 3.0)
+    assert two[0].mem_gib - base[0].mem_gib == pytest.approx(3.0)
     assert two[1].mem_gib == base[1].mem_gib
     base = base[0]
     gp = chunkflow_estimate(_cfg(WHOLE, "chunkflow.pipeline_schedule=gpipe"), [16, 16], None, 1, LONGEST).stages[0]
@@ -162,10 +164,9 @@ def test_banner_warns_by_chunkflows_estimate(monkeypatch) -> None:
     assert "max_sequence_length" not in line  # 3 GiB of K/V: not the lever here
     assert "  memory     WARNING" in banner.format_banner(_cfg(WHOLE), _facts(LONGEST))
     assert banner._memory_line(_cfg(WHOLE, "chunkflow.max_chunks_in_memory=1"), _facts(LONGEST)) is None
-    two = banner._memory_line(_cfg(WHOLE, "chunkflow.max_chunks_in_memory=1", "chunkflow.sequences_in_flight=2"),
-                              _facts(LONGEST))  # fmt: skip
-    assert "chunkflow.sequences_in_flight=1 (now 2)" in two and "max_chunks_in_memory=1 (now" not in two, two
-    assert "model.seq_length=4096 chunkflow.max_chunks_in_memory=2 (est. 69.6 GiB" in two, two
+    two = banner._memory_line(_cfg(WHOLE, "chunkflow.sequences_in_flight=2"), _facts(LONGEST))
+    assert "chunkflow.sequences_in_flight=1 (now 2)" in two and "max_chunks_in_memory=1 (now 2" in two, two
+    assert two.startswith("WARNING: est. 79.8 GiB"), two  # a second K/V store of 3 GiB, no more chunks
     stand_in = banner._memory_line(_cfg(WHOLE, "chunkflow.max_chunks_in_memory=1"), _facts(None))
     assert "524288 tokens" in stand_in and "chunkflow.max_sequence_length (its K/V store: 48.0 GiB)" in stand_in
     assert banner._memory_line(_cfg(WHOLE), _facts(LONGEST, "cpu")) is None

@@ -46,7 +46,16 @@ class ChunkFlowConfig:
     sequences_in_flight: int = 1
     """``state_aware``: long sequences in progress on a stage at once. 2 lets the next sequence's forwards fill
     the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones) at the
-    cost of a second sequence's keys/values and K chunks' activations."""
+    cost of a second sequence's keys/values: its chunks share the activations budget of one sequence's K and
+    1F1B's single chunks (decision 1249). On the whole 8B (chunks of 4096, K = 5) 2 ran 6% faster than 1 for
+    +1.1 GiB; the planner counts the second K/V store whole (+3 GiB)."""
+    free_sends: bool = True
+    """Under ``parallel.pp > 1``: a stage's sends go out without waiting for the receiving stage (gradients on a
+    second process group), and the pipeline table is built with a backward twice a forward (decision 1249: 5-6%
+    shorter in the schedule simulator at pp 2, 0.5-6% faster on the whole 8B with two sequences in flight). false:
+    every boundary's transfers are one rendezvous batch and the table counts one slot per op, the order before.
+    ``filter.mode=collider`` always takes the rendezvous batches (its compact gradients pair their indices and
+    rows)."""
 
     def capture_blocker(self) -> str | None:
         """Why the step cannot be captured as CUDA graphs (``cudagraph.capture_blocker`` asks): chunks run eagerly,
@@ -161,4 +170,11 @@ def chunkflow_line(cfg, tails: bool) -> str:
         line += f" | pipeline order {order}"
         if order == "state_aware":
             line += f", {cf.sequences_in_flight} sequence(s) in flight"
+        line += ", sends that never wait" if frees_sends(cfg) else ", rendezvous transfers"
     return line
+
+
+def frees_sends(cfg) -> bool:
+    """Whether the pipeline's sends go out without waiting (``chunkflow.free_sends``; collider's compact gradients
+    always cross in rendezvous batches). The step, its table's costs and the banner ask this one place."""
+    return cfg.parallel.pp > 1 and cfg.chunkflow.free_sends and cfg.filter.mode != "collider"

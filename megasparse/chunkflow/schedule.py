@@ -21,11 +21,17 @@ its neighbours at rendezvous transfers, as the executor runs. Simulated slots an
 * ``gpipe_per_group``: the order before decision 1226: each long sequence's chunks all forwards then all backwards
   in reverse, filling and draining the pipeline on its own, then the single-chunk groups as 1F1B micro-batches.
 * ``state_aware``: ChunkFlow's state-aware 1F1B. The long sequences run one after another per stage with the same
-  order within each (so (a)-(c) hold and one sequence's keys/values live at a time, as before), and the
-  independent chunks fill the slots where a stage would wait: each stage takes, slot by slot, a ready backward
-  before a ready forward and the long sequence's op before an independent chunk's. Independent chunks in flight
-  on stage r are bounded by 1F1B's own bound, pp − r, apart from the sequence's K (separate budgets: neither can
-  starve the other, which is what keeps the greedy free of deadlock; ``simulate`` checks it).
+  order within each (so (a)-(c) hold), up to ``window`` of them in progress at once, and the independent chunks
+  fill the slots where a stage would wait: each stage takes, slot by slot, a ready backward before a ready forward
+  and the long sequence's op before an independent chunk's. A forward that keeps its graph starts only while stage
+  r holds fewer than ``held_budget`` graphs: what one sequence's K chunks and 1F1B's own pp − r independent chunks
+  hold, for any ``window`` (decision 1249). Every held graph's backward comes without
+  needing a new graph on this stage, so the budget cannot deadlock; ``simulate`` checks it.
+
+The executor posts a boundary's transfers one of two ways (``state.run_schedule``): as one batch that completes
+when both ends posted it (a rendezvous: the sender waits for the receiver), or with sends that never wait
+(``sends_wait=False`` in ``simulate``; decision 1249), where only a receive waits, for its data. The second lets a
+table built with the ops' real proportions (``COST``) run as the greedy planned it.
 
 Collider (decision 1223) needs on every stage a long group's kept positions, which the last stage chooses in the
 group's forwards, before the group's first backward there. In any table that keeps (a), (b) and (d) they exist by
@@ -50,12 +56,13 @@ Op = tuple[str, ChunkId]
 
 
 UNIT = (1, 1, 0)
-"""(forward, backward, rerun) slots the trainer's tables are built with: one slot per op. Built with ``COST``
-instead, the greedy table was up to 5% faster at pp 2 and up to 9% slower at pp 3-4 under ``COST``'s clocks on a
-long-tail sample (decision 1226), so the plain table it is."""
+"""(forward, backward, rerun) slots of a table whose transfers are rendezvous batches: one slot per op. Built with
+``COST`` instead, the greedy table was up to 5% faster at pp 2 and up to 9% slower at pp 3-4 under ``COST``'s
+clocks on a long-tail sample (decision 1226): a stage that finishes early still meets its peer at the boundary."""
 COST = (1, 2, 1)
 """Times of a chunk's forward, its backward, and what a rerun adds to a backward (the forward again): B ≈ 2F, what
-``simulate``'s clocks use by default."""
+``simulate``'s clocks use by default, and the slots of a table whose sends never wait (decision 1249: 5-7% shorter
+than the one-slot rendezvous table at pp 2-4 in the simulator, on the benchmark's long-tail steps)."""
 
 
 @dataclass(frozen=True)
@@ -177,13 +184,24 @@ def gpipe_per_group(pp: int, sizes: tuple[int, ...], keep: int, cost=UNIT) -> Sc
     return timed(pp, sizes, keep, orders, cost)
 
 
+def held_budget(pp: int, r: int, keep: int, longest: int, singles: int) -> int:
+    """Graphs stage r may hold at once under ``state_aware`` with sequences of up to ``longest`` chunks and
+    ``singles`` independent chunks: the K of one sequence (its chunks if fewer; none without a long sequence) and
+    1F1B's pp − r independent chunks (all of them if fewer), ``planner.chunks_held``'s count."""
+    return (min(keep, longest) if longest > 1 else 0) + min(pp - r, singles)
+
+
 def state_aware(pp: int, sizes: tuple[int, ...], keep: int, window: int = 1, cost=UNIT) -> Schedule:
     """ChunkFlow's state-aware 1F1B (module docstring), built slot by slot on all stages at once. ``window``: long
     sequences in progress on a stage at once (1: the next one starts after the previous one's last backward there;
-    2: its forwards may fill the previous one's turnaround, holding both sequences' keys/values)."""
+    2: its forwards may fill the previous one's turnaround, holding both sequences' keys/values, within the same
+    ``held_budget`` of graphs). ``cost``: the ops' slots (``UNIT`` for rendezvous transfers, ``COST`` for sends that
+    never wait)."""
     probe = Schedule(pp, sizes, keep, ((),) * pp, cost)
     longs = [g for g, n in enumerate(sizes) if n > 1]
     singles = [(g, 0) for g, n in enumerate(sizes) if n == 1]
+    budget = [held_budget(pp, r, keep, max(sizes, default=1), len(singles)) for r in range(pp)]
+    held = [0] * pp  # graphs each stage holds (kept forwards not yet backward)
     fend: list[dict[ChunkId, int]] = [{} for _ in range(pp)]  # chunk -> the slot after its forward / backward
     bend: list[dict[ChunkId, int]] = [{} for _ in range(pp)]
     fseq, fj = [0] * pp, [0] * pp  # the long sequence (index into longs) forwarding on the stage, its next chunk
@@ -199,6 +217,12 @@ def state_aware(pp: int, sizes: tuple[int, ...], keep: int, window: int = 1, cos
     def has_grad(r: int, c: ChunkId, t: int) -> bool:  # the output gradient arrived
         return r == pp - 1 or bend[r + 1].get(c, t + 1) <= t
 
+    def room(r: int) -> bool:
+        """Whether a forward that keeps its graph fits the stage's budget. A sequence whose kept chunks have all run
+        their backward keeps one unit for its reruns (a rerun's graph lives through its backward slot)."""
+        reruns = sum(min(keep, sizes[longs[k]]) <= done < sizes[longs[k]] for k, done in bj[r].items())
+        return held[r] + reruns < budget[r]
+
     def pick(r: int, t: int) -> Op | None:
         for k, done in sorted(bj[r].items()):  # backwards of the sequences forwarded here, oldest first
             c = (longs[k], sizes[longs[k]] - 1 - done)
@@ -208,9 +232,10 @@ def state_aware(pp: int, sizes: tuple[int, ...], keep: int, window: int = 1, cos
         if ready:
             return "B", ready[0]
         seq = longs[fseq[r]] if fseq[r] < len(longs) else None
-        if seq is not None and (fj[r] or len(bj[r]) < window) and has_in(r, (seq, fj[r]), t):
-            return "F", (seq, fj[r])
-        if si[r] < len(singles) and len(flight[r]) < pp - r and has_in(r, singles[si[r]], t):
+        nxt = None if seq is None else (seq, fj[r])
+        if nxt and (fj[r] or len(bj[r]) < window) and has_in(r, nxt, t) and (not probe.kept(nxt) or room(r)):
+            return "F", nxt
+        if si[r] < len(singles) and has_in(r, singles[si[r]], t) and room(r):
             return "F", singles[si[r]]
         return None
 
@@ -226,6 +251,8 @@ def state_aware(pp: int, sizes: tuple[int, ...], keep: int, window: int = 1, cos
             free[r] = t + probe.dur(op)
             kind, c = op
             single = sizes[c[0]] == 1
+            if probe.kept(c):
+                held[r] += 1 if kind == "F" else -1
             if kind == "F":
                 fend[r][c] = free[r]
                 if single:
@@ -263,11 +290,13 @@ class Report:
     """pp · time − the stages' busy time: the bubble in those units."""
 
 
-def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
+def simulate(s: Schedule, times: tuple[float, float, float] = COST, sends_wait: bool = True) -> Report:
     """Run every stage's ops and boundary transfers as separate processes against each other.
 
     ``times``: (forward, backward, rerun) durations for the clocks each stage keeps (a batch completes when its
-    last peer posted it, transfers take no time): ``Report.time``/``idle_time``.
+    last peer posted it, transfers take no time): ``Report.time``/``idle_time``. ``sends_wait=False``: a stage
+    posts its sends and runs on; only its receives wait, for the peer's send (the executor's sends on their own
+    streams, decision 1249).
     ``length``/``idle`` count the table's slots.
 
     Each boundary's sends and receives are posted as one batch (``StageComm.send_recv``, as the executor posts
@@ -324,7 +353,7 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST) -> Report:
         assert max(seq_graphs[r].values(), default=0) <= s.keep, f"stage {r}: K broken at {op}"
         return t_f if kind == "F" else t_b + (0.0 if s.kept(c) else t_rerun)
 
-    clock, busy = replay(streams, compute, f"pp={P}, groups={s.sizes}, K={s.keep}")
+    clock, busy = replay(streams, compute, f"pp={P}, groups={s.sizes}, K={s.keep}", sends_wait)
     for r in range(P):
         assert len(fdone[r]) == len(bdone[r]) == total == len(s.order(r)) / 2, f"stage {r} misses chunks"
     makespan = max(clock)

@@ -26,7 +26,7 @@ from megasparse.chunkflow.schedule import ChunkId, Op, Schedule
 from megasparse.ops.documents import DocSpans
 from megasparse.ops.prefix_attention import prefix_attention
 from megasparse.parallel import comm
-from megasparse.parallel.pipeline import StageComm, catch_grad
+from megasparse.parallel.pipeline import FreeSends, StageComm, catch_grad
 
 __all__ = ["ChunkKV", "KVStore", "run_group", "run_schedule"]
 
@@ -203,6 +203,7 @@ def run_schedule(
     chunk_size: int,
     p2p: StageComm,
     kept: list[list[int]] | None = None,
+    free_sends: bool = False,
 ) -> None:
     """This pipeline stage's slots of ``plan`` (``schedule.py``): group g's chunk j runs ``forwards[g]`` at
     ``offsets[g][j]``, a long group's chunks over its ``KVStore`` (one per group, dropped after its chunk 0's
@@ -218,7 +219,12 @@ def run_schedule(
     ``kept`` (collider, decision 1223): each chunk's kept count, from the plan. Each compact gradient's receive
     posts its chunk's count; a long group's kept positions, chosen on the last stage in its forwards, cross every
     boundary with the gradient of the group's first backward (``Schedule.opens``), so an earlier stage's compact
-    backward of chunk j reads the kept rows of chunks < j."""
+    backward of chunk j reads the kept rows of chunks < j.
+
+    ``free_sends`` (dense gradients, a table built with ``schedule.COST``; decision 1249): the boundary's sends go
+    out without waiting for their receivers (``pipeline.FreeSends``) and only its receives wait, for their data."""
+    assert not (free_sends and kept is not None), "collider's compact gradients cross in rendezvous batches"
+    free = FreeSends(p2p) if free_sends else None
     stores: dict[int, KVStore] = {}
     now = [0]  # the kept count of the gradient received at this boundary
     if kept is not None:
@@ -231,7 +237,14 @@ def run_schedule(
         send_x, recv_x, send_g, recv_g = plan.transfers(stage, t)
         y = None if send_x is None else outgoing.pop(("F", send_x))
         gin = None if send_g is None else outgoing.pop(("B", send_g))
-        if kept is None:
+        if free is not None:  # sends first: they never wait; then the receives, which do
+            if y is not None:
+                free.send_forward(y)
+            if gin is not None:
+                free.send_backward(gin)
+            x = free.recv_forward() if recv_x is not None else None
+            g = free.recv_backward() if recv_g is not None else None
+        elif kept is None:
             x, g = p2p.send_recv(y, recv_x is not None, gin, recv_g is not None)
         else:
             out_kept = _kept_of(stores[send_g[0]], plan.sizes[send_g[0]]) if plan.opens(send_g) else None
@@ -280,4 +293,6 @@ def run_schedule(
         if j == 0:
             stores.pop(gi, None)  # the group's last backward on this stage: its keys/values go
         del out, kv, holder  # this chunk's graph goes now
+    if free is not None:
+        free.settle()
     assert not live and not grads and not outgoing, "the schedule left chunks without their backward or send"

@@ -29,11 +29,11 @@ from functools import cached_property, partial
 import numpy as np
 import torch
 
-from megasparse.chunkflow.config import sequence_limit, tails_packed
+from megasparse.chunkflow.config import frees_sends, sequence_limit, tails_packed
 from megasparse.chunkflow.data import sequence_source
 from megasparse.chunkflow.filter import ChunkReference, ChunkSelection
 from megasparse.chunkflow.plan import Chunk, Group, StepPlan, chunk_arrays, plan_step
-from megasparse.chunkflow.schedule import Schedule, gpipe_per_group, state_aware
+from megasparse.chunkflow.schedule import COST, UNIT, Schedule, gpipe_per_group, state_aware
 from megasparse.chunkflow.state import ChunkKV, run_group, run_schedule
 from megasparse.chunkflow.tailwarm import tail_width, warm_tails
 from megasparse.ops.compact import KeepHolder, KeepMeta
@@ -66,7 +66,7 @@ class ChunkFlowStep:
                  p2p: StageComm | None = None, selection: ChunkSelection | None = None,
                  schedule: Callable[[int, tuple[int, ...], int], Schedule] = state_aware,
                  doc_kernel: str = "bias", reference: ChunkReference | None = None,
-                 pack_tails: bool = False, steps: int | None = None):  # fmt: skip
+                 pack_tails: bool = False, steps: int | None = None, free_sends: bool = False):  # fmt: skip
         """``source``: ``step_sequences(step, n)``; ``keep``: K, chunks of a sequence whose activations stay;
         ``eod``: the end-of-document id when the model keeps packed documents apart (``ops/documents.py``'s
         ``DocSpans``, ``data.document_attention``): short sequences are then packed several per chunk; None: one
@@ -79,8 +79,10 @@ class ChunkFlowStep:
         decision 1201). ``reference``: the excess scorer's reference losses (the last stage's; decision 1227).
         ``pack_tails`` (with ``eod``): short sequences also fill long sequences' last chunks (decision 1233);
         ``steps``: the run's last step (``train.steps``), up to which the first ``batches`` call compiles their
-        FlexAttention variants (``tailwarm.py``, decision 1241; None: only a caller's ``warm_tails``)."""
-        self.schedule = schedule
+        FlexAttention variants (``tailwarm.py``, decision 1241; None: only a caller's ``warm_tails``).
+        ``free_sends``: the stages' sends never wait for their receivers (``pipeline.FreeSends``; ``schedule``
+        should then build its tables with ``schedule.COST``, decision 1249)."""
+        self.schedule, self.free_sends = schedule, free_sends
         self.stage = model.chunks[0]
         assert len(model.chunks) == 1, "ChunkFlow runs one model chunk per stage (no virtual stages)"
         self.p2p = p2p
@@ -136,7 +138,7 @@ class ChunkFlowStep:
             offsets = [[c.offset for c in g.chunks] for g in work.groups]
             collider = sel is not None and sel.collider
             counts = [[sel.count(c) for c in g.chunks] for g in work.groups] if collider else None
-            run_schedule(table, lay.pp_rank, fwds, offsets, self.c, self.p2p, counts)
+            run_schedule(table, lay.pp_rank, fwds, offsets, self.c, self.p2p, counts, self.free_sends)
         fill = plan.real_tokens / max(plan.slots, 1)
         if self.seen is None:  # a source that cannot count its past (a test's fixed list) starts from 0
             before = getattr(self.source, "predictions_before", lambda g: 0)
@@ -223,21 +225,24 @@ def chunk_step(
     source = sequence_source(cfg, vocab)
     reference = getattr(tf, "reference", None)
     eod = source.eod_id if getattr(cfg.data, "document_attention", False) else None
+    doc_kernel = getattr(cfg.data, "document_attention_kernel", "bias")
+    free = p2p is not None and frees_sends(cfg)
     return ChunkFlowStep(
         model, source, chunk_size=cfg.model.seq_length, per_step=cfg.train.global_batch_size,
         keep=cf.max_chunks_in_memory, dp=dp, dp_rank=dp_rank, device=device, eod=eod,
-        max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), schedule=pipeline_schedule(cf),
-        doc_kernel=getattr(cfg.data, "document_attention_kernel", "bias"),
-        reference=None if reference is None else ChunkReference(reference),
-        pack_tails=tails_packed(cfg, device.type == "cuda"), steps=cfg.train.steps,
+        max_length=sequence_limit(cfg), p2p=p2p, selection=_selection(cfg), doc_kernel=doc_kernel,
+        schedule=pipeline_schedule(cf, free), reference=None if reference is None else ChunkReference(reference),
+        pack_tails=tails_packed(cfg, device.type == "cuda"), steps=cfg.train.steps, free_sends=free,
     )  # fmt: skip
 
 
-def pipeline_schedule(cf) -> Callable[[int, tuple[int, ...], int], Schedule]:
-    """``chunkflow.pipeline_schedule``'s table builder (``cf``: the ``chunkflow`` section)."""
+def pipeline_schedule(cf, free_sends: bool = False) -> Callable[[int, tuple[int, ...], int], Schedule]:
+    """``chunkflow.pipeline_schedule``'s table builder (``cf``: the ``chunkflow`` section): one slot per op for
+    rendezvous transfers, ``COST``'s proportions where sends never wait (decision 1249)."""
+    cost = COST if free_sends else UNIT
     if cf.pipeline_schedule == "gpipe":
-        return gpipe_per_group
-    return partial(state_aware, window=cf.sequences_in_flight)
+        return partial(gpipe_per_group, cost=cost)
+    return partial(state_aware, window=cf.sequences_in_flight, cost=cost)
 
 
 def _selection(cfg) -> ChunkSelection | None:

@@ -277,6 +277,20 @@ def broadcast(t: torch.Tensor, src: int, group, group_name: str, region: str | N
     _record("broadcast", group_name, t, region, t0)
 
 
+def isend(t: torch.Tensor, peer: int, group, group_name: str = "pp", region: str = "pipeline"):
+    """A send that does not wait for its receiver: returns the work, which the caller keeps (with ``t``) until
+    ``is_completed()`` or its own ``wait()``. Both directions of a link must not share one group: on NCCL a send
+    still waiting holds its communicator's stream, and a receive queued behind it would wait too."""
+    work = dist.isend(t, peer, group=group)
+    _record("send", group_name, t, region, None)
+    return work
+
+
+def irecv(t: torch.Tensor, peer: int, group) -> None:
+    """Receive into ``t`` and wait: the host under gloo; under NCCL the current stream, not the host."""
+    dist.irecv(t, peer, group=group).wait()
+
+
 def p2p(ops: list[tuple], group, group_name: str = "pp", region: str = "pipeline"):
     """Batched point-to-point: ``ops`` is a list of ("send"|"recv", tensor, global peer rank[, phase]).
 

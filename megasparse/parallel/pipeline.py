@@ -10,6 +10,9 @@ gradient and each stage keeps nothing but its saved activations, in schedule ord
 With ``parallel.virtual_stages`` > 1 the ranks form a ring and ``one_f_one_b`` runs Megatron's interleaved
 schedule (``parallel/interleaved.py`` plans it, ``interleaved_1f1b`` executes it) over the same transfers: a
 chunk's compact gradient crosses to the previous virtual stage as indices then rows, exactly as between stages.
+
+Why this file is long: one home for every transfer between pipeline stages (the rendezvous batches, ChunkFlow's
+``FreeSends``) and the fixed-length schedules that run over them; splitting them would spread one protocol.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class StageComm:
         self.lay = lay
         self.chunks = chunks
         self.group = state.pp_group()
+        self.grad_group = state.pp_grad_group()  # FreeSends' gradients (None below pp 2)
         ring = chunks > 1  # rank P−1's chunk c feeds rank 0's chunk c+1
         self.next = state.pp_next_rank() if ring or not lay.is_last_stage else None
         self.prev = state.pp_prev_rank() if ring or not lay.is_first_stage else None
@@ -240,6 +244,50 @@ class StageComm:
         t = self._act()
         comm.p2p(self._grad_ops(g) + [("recv", t, self.prev)], self.group)
         return t
+
+
+class FreeSends:
+    """One stage's transfers where a send never waits for its receiver (ChunkFlow's tables built with the ops' real
+    proportions, decision 1249): activations go on the pipeline group, gradients on ``state.pp_grad_group``, so the
+    two directions of a link never queue behind each other on one NCCL communicator's stream. A receive waits for its
+    data (the host under gloo, the compute stream under NCCL). Each send's buffer is kept until it completed; dense
+    gradients only (collider's compact ones pair their indices and rows in rendezvous batches)."""
+
+    def __init__(self, stage: StageComm):
+        assert stage.grad_group is not None, "FreeSends needs the pipeline's gradient group (pp >= 2)"
+        self.stage = stage
+        self.pending: list[tuple] = []  # (work, tensor) of the sends not yet known complete
+
+    def send_forward(self, y: torch.Tensor) -> None:
+        y = y.contiguous()
+        self.pending.append((comm.isend(y, self.stage.next, self.stage.group), y))
+        self._prune()
+
+    def send_backward(self, g: torch.Tensor) -> None:
+        assert not isinstance(g, CompactGrad), "FreeSends carries dense gradients only"
+        g = g.contiguous()
+        with comm.phase("backward"):
+            self.pending.append((comm.isend(g, self.stage.prev, self.stage.grad_group), g))
+        self._prune()
+
+    def recv_forward(self) -> torch.Tensor:
+        x = self.stage._act()
+        comm.irecv(x, self.stage.prev, self.stage.group)
+        return x
+
+    def recv_backward(self) -> torch.Tensor:
+        g = self.stage._act()
+        comm.irecv(g, self.stage.next, self.stage.grad_group)
+        return g
+
+    def settle(self) -> None:
+        """Wait for every send (the end of a step: no buffer may go back to the allocator while a peer reads it)."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+    def _prune(self) -> None:
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
 
 
 def catch_grad(x: torch.Tensor, holder: dict) -> torch.Tensor:

@@ -258,27 +258,24 @@ def estimate(
     return Plan(name, list(split), vocab_over_pp, stages, num_mb, shares)
 
 
-def chunks_held(
-    order: str, pp: int, r: int, keep: int, longest_chunks: int, window: int = 1, singles: int | None = None
-) -> int:
+def chunks_held(order: str, pp: int, r: int, keep: int, longest_chunks: int, singles: int | None = None) -> int:
     """Chunks whose activations stage r holds at once under ChunkFlow's pipeline ``order`` (``chunkflow/schedule.py``)
     with sequences of up to ``longest_chunks`` chunks: K (``keep``; the sequence's chunks if fewer) of the long
     sequence, and the independent single chunks in flight, at most 1F1B's pp − r (``singles``: how many the step
     has; None: at least that).
 
-    ``state_aware`` holds both at once; with ``window`` (``chunkflow.sequences_in_flight``) > 1 the next sequences'
-    kept chunks too, but only as many as its forwards fit in the first one's turnaround, 2(pp − 1 − r) slots. On
-    the last stage every chunk's backward follows its forward (its output gradient is local), so a sequence's
-    backwards run back to back once its last chunk is forwarded and nothing else is held beside its K. ``gpipe`` runs
-    a long sequence alone, then the singles: the larger of the two. The slot tables never pass this and reach it on
-    most stages (a rerun's graph lives in its backward's slot, after its sequence's kept chunks went:
-    tests/test_chunkflow_memory.py), where window · K + pp − r would be one too many on the last stage and up to
-    K − 2 too many on the first at pp 2 with two sequences in flight."""
+    ``state_aware`` holds both at once, and no more with ``chunkflow.sequences_in_flight`` > 1: its
+    table starts a forward that keeps its graph only within that budget (``schedule.held_budget``, decision 1249),
+    so the next sequence's forwards take the room the single chunks leave. On the last stage every chunk's backward
+    follows its forward (its output gradient is local), so a sequence's backwards run back to back once its last
+    chunk is forwarded and nothing else is held beside its K. ``gpipe`` runs a long sequence alone, then the
+    singles: the larger of the two. The slot tables never pass this and reach it on most stages (a rerun's graph
+    lives in its backward's slot, after its sequence's kept chunks went: tests/test_chunkflow_memory.py)."""
     seq = min(keep, longest_chunks) if longest_chunks > 1 else 0
     own = pp - r if singles is None else min(pp - r, singles)
     if order == "gpipe" or r == pp - 1:
         return max(seq, own)
-    return seq + own + min((window - 1) * seq, 2 * (pp - 1 - r))
+    return seq + own
 
 
 def sequence_chunks(cfg: Config, length: int) -> int:
@@ -333,7 +330,7 @@ def chunkflow_estimate(
     hidden = m.seq_length * m.hidden_size * elem / p.sp_shards
     notes = []
     for r, s in enumerate(base.stages):
-        held = chunks_held(cf.pipeline_schedule, pp, r, cf.max_chunks_in_memory, n, window, singles)
+        held = chunks_held(cf.pipeline_schedule, pp, r, cf.max_chunks_in_memory, n, singles)
         seqs = window if r < pp - 1 else 1  # the last stage ends one sequence before it starts the next
         kv = seqs * kv_store_bytes(cfg, s.layers, longest)
         tails = seqs * tail_keys_bytes(cfg, s.layers, longest)

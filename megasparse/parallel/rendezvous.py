@@ -14,11 +14,13 @@ _OTHER = {"send": "recv", "recv": "send"}
 
 
 class Links:
-    """Every link's posted sends and receives, in order: ``{channel: {"send": [(time, label)], "recv": [...]}}``."""
+    """Every link's posted sends and receives, in order: ``{channel: {"send": [(time, label)], "recv": [...]}}``.
+    ``sends_wait=False``: a send completes when posted (the sender runs on), a receive when its send is posted."""
 
-    def __init__(self) -> None:
+    def __init__(self, sends_wait: bool = True) -> None:
         self.posted: dict[tuple, dict[str, list]] = {}
         self._waiting: dict[int, list] = {}  # rank -> its posted batch's (kind, channel, index)
+        self.sends_wait = sends_wait
 
     def meet(self, rank: int, batch: list, clock: float) -> tuple[float, list] | None:
         """Post ``rank``'s ``batch`` of ``(kind, channel, label)`` once (at ``clock``); None while a peer has not
@@ -30,7 +32,7 @@ class Links:
                 lst.append((clock, label))
                 mine.append((kind, ch, len(lst) - 1))
             self._waiting[rank] = mine
-        mine = self._waiting[rank]
+        mine = [m for m in self._waiting[rank] if self.sends_wait or m[0] == "recv"]  # the receiver checks labels
         if any(len(self.posted[ch][_OTHER[kind]]) <= n for kind, ch, n in mine):
             return None
         done, received = clock, []
@@ -45,14 +47,15 @@ class Links:
 
 
 def replay(
-    streams: list[list], compute: Callable[[int, object, set], float], what: str
+    streams: list[list], compute: Callable[[int, object, set], float], what: str, sends_wait: bool = True
 ) -> tuple[list[float], list[float]]:
     """Each rank's stream run against the others: (clock, busy time) per rank. An event that is a list is a batch of
-    ``(kind, channel, label)`` transfers (``Links.meet``: the rank waits until every peer posted its side); any other
-    event is a compute op, ``compute(rank, op, labels received so far)`` checks it and returns its duration. Raises
-    AssertionError when the ranks deadlock (``what`` names the schedule in the message)."""
+    ``(kind, channel, label)`` transfers (``Links.meet``: the rank waits until every peer posted its side, or with
+    ``sends_wait=False`` only its receives' senders); any other event is a compute op, ``compute(rank, op, labels
+    received so far)`` checks it and returns its duration. Raises AssertionError when the ranks deadlock (``what``
+    names the schedule in the message)."""
     ranks = len(streams)
-    links, pos = Links(), [0] * ranks
+    links, pos = Links(sends_wait), [0] * ranks
     clock, busy = [0.0] * ranks, [0.0] * ranks
     have: list[set] = [set() for _ in range(ranks)]
     moved = True

@@ -106,6 +106,7 @@ def init(tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto
         pipeline_model_parallel_size=pp,
         distributed_timeout_minutes=timeout_s / 60,  # a float is fine: it only feeds timedelta(minutes=...)
     )
+    _make_pp_grad_group(world, pp, timedelta(seconds=timeout_s))
     _layout = Layout(
         tp=tp,
         pp=pp,
@@ -118,8 +119,35 @@ def init(tp: int, pp: int, sequence_parallel: bool = False, backend: str = "auto
     return _layout
 
 
+_pp_grad_group = None
+
+
+def _make_pp_grad_group(world: int, pp: int, timeout) -> None:
+    """A second group over each pipeline's ranks, for gradients alone (``pp_grad_group``). Every rank creates every
+    pipeline's group, in one order (``new_group`` is collective over the world); megatron-core numbers ranks tp
+    fastest, then dp, then pp, so pipeline i is ranks i, i + world/pp, ... ."""
+    global _pp_grad_group
+    _pp_grad_group = None
+    if pp < 2:
+        return
+    me, stride = dist.get_rank(), world // pp
+    for i in range(stride):
+        ranks = [i + k * stride for k in range(pp)]
+        group = dist.new_group(ranks, timeout=timeout)
+        if me in ranks:
+            assert ranks == dist.get_process_group_ranks(pp_group()), "pipeline ranks differ from megatron-core's"
+            _pp_grad_group = group
+
+
+def pp_grad_group():
+    """The pipeline's ranks in a group of their own for the gradients that flow back, so that ChunkFlow's sends
+    that never wait (decision 1249) take the two directions of a link on two communicators; None below pp 2."""
+    return _pp_grad_group
+
+
 def destroy() -> None:
-    global _layout
+    global _layout, _pp_grad_group
+    _pp_grad_group = None
     from megatron.core import parallel_state as ps
 
     from megasparse.parallel import comm
