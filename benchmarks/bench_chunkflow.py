@@ -49,7 +49,7 @@ Modes, each on the same data and model, every rank in the same process group:
   warm-up step (``tail_compile_s``). ``chunkflow/tails`` and ``chunkflow/notails`` force ``chunkflow.pack_tails``
   true and false, so both settings time in one call; ``chunkflow/rendezvous`` sets ``chunkflow.free_sends=false``
   (the pipeline's transfers before decision 1249). None is in the default lists. ``--in-flight`` sets
-  ``chunkflow.sequences_in_flight`` for every ChunkFlow row.
+  ``chunkflow.sequences_in_flight`` for every ChunkFlow row (default: the config's).
 
 Several maximum lengths (``--max-length 32768,65536``): every mode runs at the first, ``--longer-modes`` (default
 ``chunkflow`` when ``--modes`` has it; the modes it names run even if ``--modes`` lacks them) at the others, each on
@@ -120,7 +120,7 @@ _TINY = ["train.device=cpu", "parallel.backend=gloo", "train.dtype=fp32", "paral
          "data.valid_fraction=0.1"]  # fmt: skip
 LAYOUTS: dict[str, dict] = {
     # name: config, ranks, overrides, default maximum length S, default number of documents; optional: the default
-    # modes (``MODES``), megatron-core's overrides (none), the chunk size (S / 4), K (2) and sequences in flight (1)
+    # modes (``MODES``), megatron-core's overrides (none), the chunk size (S / 4) and K (2)
     "4gpu_8b": dict(config="configs/gpu_8b8l_tp2_pp2_sp.yaml", ranks=4, overrides=[], max_length=32768, docs=10000),
     # the whole Llama-3-8B: windows of 32K fit 80 GB only with full recompute (`megasparse plan`: 114 GiB without,
     # 95 selective, 40 full at TP 2 x PP 2 + SP), megatron-core's too; ChunkFlow's chunks of 4096 at K = 5 need none
@@ -135,7 +135,6 @@ LAYOUTS: dict[str, dict] = {
         mcore=["model.recompute=full"],
         chunk=4096,
         keep=5,
-        in_flight=2,  # the next sequence's forwards in the turnaround, within K + pp − r graphs (decision 1249)
     ),
     "cpu_tiny": dict(config="configs/cpu_toy.yaml", ranks=1, overrides=_TINY, max_length=128, docs=1500),
 }
@@ -155,7 +154,7 @@ def chunkflow_overrides(a: argparse.Namespace, batch: int | None = None) -> list
     global batch)."""
     return [
         *([] if batch is None else [f"train.global_batch_size={batch}"]),
-        f"chunkflow.sequences_in_flight={a.in_flight}",
+        *([] if a.in_flight is None else [f"chunkflow.sequences_in_flight={a.in_flight}"]),
         "chunkflow.enabled=true",
         f"chunkflow.chunk_size={a.chunk_size}",
         f"chunkflow.max_chunks_in_memory={a.max_chunks}",
@@ -545,7 +544,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--max-chunks", type=int, default=None, help="chunkflow.max_chunks_in_memory (layout's, else 2)")
     p.add_argument("--chunkflow-batch", type=int, default=0, help="sequences per chunkflow step (0: padded's tokens)")
-    p.add_argument("--in-flight", type=int, default=None, help="chunkflow.sequences_in_flight (layout's, else 1)")
+    p.add_argument("--in-flight", type=int, default=None, help="chunkflow.sequences_in_flight (the config's: 2)")
     p.add_argument(
         "--gpu-memory-gib", type=float, default=None, help="cap each GPU's allocator here (an 80 GB card: 79.1)"
     )
@@ -565,8 +564,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.chunk_size = lay.get("chunk", min(a.max_lengths[0], lay["max_length"]) // 4)
     if a.max_chunks is None:
         a.max_chunks = lay.get("keep", 2)
-    if a.in_flight is None:
-        a.in_flight = lay.get("in_flight", 1)
     return a
 
 

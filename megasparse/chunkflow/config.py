@@ -43,12 +43,12 @@ class ChunkFlowConfig:
     variant compiled before the first step for every prefix length (tens of seconds; decision 1248), which on the
     whole 8B lifted the fill from 87% to 99% and the real tokens/s by 5.6%; off on the bias kernels, where it ran
     10-11% slower. true/false: always/never (false: each long sequence pads its last chunk)."""
-    sequences_in_flight: int = 1
-    """``state_aware``: long sequences in progress on a stage at once. 2 lets the next sequence's forwards fill
-    the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones) at the
-    cost of a second sequence's keys/values: its chunks share the activations budget of one sequence's K and
-    1F1B's single chunks (decision 1249). On the whole 8B (chunks of 4096, K = 5) 2 ran 6% faster than 1 for
-    +1.1 GiB; the planner counts the second K/V store whole (+3 GiB)."""
+    sequences_in_flight: int = 2
+    """``state_aware``: long sequences in progress on a stage at once. 2 (the default) lets the next sequence's
+    forwards fill the previous one's turnaround (far fewer idle slots when long sequences outnumber the short ones)
+    at the cost of a second sequence's keys/values, not of activations: its chunks share the budget of one
+    sequence's K and 1F1B's single chunks, and its gradient buffers come only at its backward (decision 1249). On
+    the whole 8B (chunks of 4096, K = 5) 2 ran 6% faster than 1 for +1.1 GiB. 1: one sequence at a time."""
     free_sends: bool = True
     """Under ``parallel.pp > 1``: a stage's sends go out without waiting for the receiving stage (gradients on a
     second process group), and the pipeline table is built with a backward twice a forward (decision 1249: 5-6%

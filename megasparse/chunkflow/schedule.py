@@ -304,7 +304,8 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST, sends_wait: 
     with nothing at a boundary posts nothing and runs on. Raises AssertionError when a link's two ends disagree on
     what crosses, in what order (a long group's kept positions, collider's, cross with its first backward's
     gradient: ``Schedule.opens``); a forward or backward finds its input, output gradient or own forward missing;
-    (a)-(c) are broken; a chunk is not run exactly once forward and once backward per stage; or the stages
+    (a)-(c) are broken; two long sequences' backwards interleave on a stage (the planner counts one sequence's K/V
+    gradient buffers); a chunk is not run exactly once forward and once backward per stage; or the stages
     deadlock."""
     P, T = s.pp, s.length
     total = _chunks(s.sizes)
@@ -327,6 +328,7 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST, sends_wait: 
         streams.append(ev)
     fdone: list[set] = [set() for _ in range(P)]
     bdone: list[set] = [set() for _ in range(P)]
+    backing: list[set] = [set() for _ in range(P)]  # long groups whose backwards run on the stage (one at a time)
     graphs = [0] * P
     seq_graphs: list[dict[int, int]] = [{} for _ in range(P)]
     peak = [0] * P
@@ -343,6 +345,11 @@ def simulate(s: Schedule, times: tuple[float, float, float] = COST, sends_wait: 
                 seq_graphs[r][g] = seq_graphs[r].get(g, 0) + 1
         else:
             bdone[r].add(c)
+            if s.sizes[g] > 1:  # its K/V gradient buffers live from its first backward to its last (decision 1249)
+                backing[r].add(g)
+                assert len(backing[r]) == 1, f"stage {r}: two sequences' backwards interleave at {op}"
+                if c[1] == 0:
+                    backing[r].discard(g)
             held = 0 if s.kept(c) else 1  # a rerun's graph lives through its B slot
             peak[r] = max(peak[r], graphs[r] + held)
             assert seq_graphs[r].get(g, 0) + held <= s.keep, f"stage {r}: group {g} holds more than K"

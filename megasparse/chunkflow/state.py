@@ -34,9 +34,10 @@ __all__ = ["ChunkKV", "KVStore", "run_group", "run_schedule"]
 class KVStore:
     """Every layer's rotated keys/values of one group's chunks, and their gradients from later chunks.
 
-    Per layer one buffer [b, nkv, n·C, d] each for k, v, dk, dv (allocated at the first chunk's write): chunk j's
-    prefix is a view of its first j·C positions, so nothing is copied per chunk. The gradients accumulate in fp32
-    (bf16 k/v receive a sum over up to n − 1 later chunks)."""
+    Per layer one buffer [b, nkv, n·C, d] each for k and v (allocated at the first chunk's write) and for dk, dv
+    (at the first gradient a later chunk's backward sends: a sequence forwarding beside another one's backwards holds
+    no gradient buffers yet, decision 1249): chunk j's prefix is a view of its first j·C positions, so nothing is
+    copied per chunk. The gradients accumulate in fp32 (bf16 k/v receive a sum over up to n − 1 later chunks)."""
 
     def __init__(self, num_chunks: int, chunk_size: int):
         self.n, self.c = num_chunks, chunk_size
@@ -61,20 +62,25 @@ class KVStore:
             shape = (k.shape[0], k.shape[1], self.n * self.c, k.shape[3])
             for store in (self.k, self.v):
                 store[layer] = k.new_empty(shape)
-            acc = torch.promote_types(k.dtype, torch.float32)  # summed over every later chunk
-            if self.n > 1:
-                for store in (self.dk, self.dv):
-                    store[layer] = torch.zeros(shape, dtype=acc, device=k.device)
         lo = j * self.c
         self.k[layer][:, :, lo : lo + self.c].copy_(k)
         self.v[layer][:, :, lo : lo + self.c].copy_(v)
 
     def grads_of(self, layer: int, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What chunks > j sent to chunk j's keys/values (None for the last chunk: nothing comes after it)."""
-        if j == self.n - 1:
+        if j == self.n - 1 or layer not in self.dk:  # none came (a packed tail whose rows all went unkept)
             return None
         lo = j * self.c
         return self.dk[layer][:, :, lo : lo + self.c], self.dv[layer][:, :, lo : lo + self.c]
+
+    def grad_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's dk, dv, zeroed at the first call (the sequence's first backward that reaches its prefix)."""
+        if layer not in self.dk:
+            k = self.k[layer]
+            acc = torch.promote_types(k.dtype, torch.float32)  # summed over every later chunk
+            for store in (self.dk, self.dv):
+                store[layer] = torch.zeros(k.shape, dtype=acc, device=k.device)
+        return self.dk[layer], self.dv[layer]
 
 
 class _LayerPrefix:
@@ -94,11 +100,11 @@ class _LayerPrefix:
 
     def add_grad(self, dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         hi = self.j * self.store.c
-        for buf, grad in ((self.store.dk, dk), (self.store.dv, dv)):
+        for buf, grad in zip(self.store.grad_buffers(self.layer), (dk, dv)):
             if rows is None:
-                buf[self.layer][:, :, :hi].add_(grad)
+                buf[:, :, :hi].add_(grad)
             else:  # the compact backward: only the earlier chunks' kept rows receive anything
-                buf[self.layer].index_add_(2, rows, grad.to(buf[self.layer].dtype))
+                buf.index_add_(2, rows, grad.to(buf.dtype))
 
 
 class ChunkKV:

@@ -284,16 +284,18 @@ def sequence_chunks(cfg: Config, length: int) -> int:
     return max(1, -(-(length - 1) // cfg.model.seq_length))
 
 
-def kv_store_bytes(cfg: Config, layers: int, length: int) -> float:
-    """One long sequence's ``chunkflow/state.py`` ``KVStore`` on a stage of ``layers`` blocks, one TP rank: every
-    layer's rotated k and v over the sequence's whole chunks (n·C positions, compute dtype) and their fp32 gradient
-    buffers (a sequence of one chunk has no store)."""
+def kv_store_bytes(cfg: Config, layers: int, length: int, sequences: int = 1) -> float:
+    """``sequences`` long sequences' ``chunkflow/state.py`` ``KVStore`` on a stage of ``layers`` blocks, one TP
+    rank: every layer's rotated k and v over each sequence's whole chunks (n·C positions, compute dtype) and, once,
+    fp32 gradient buffers of that size: a store makes them at its sequence's first backward there, and a stage ends
+    one sequence's backwards before it starts the next one's (decision 1249; ``schedule.simulate`` checks it). A
+    sequence of one chunk has no store."""
     m = cfg.model
     n = sequence_chunks(cfg, length)
     if n < 2:
         return 0.0
     heads = max(1, m.kv_heads // cfg.parallel.tp)
-    return layers * heads * m.head_dim * n * m.seq_length * (2 * _elem(cfg) + 2 * 4)
+    return layers * heads * m.head_dim * n * m.seq_length * (sequences * 2 * _elem(cfg) + 2 * 4)
 
 
 def tail_keys_bytes(cfg: Config, layers: int, length: int) -> float:
@@ -332,7 +334,7 @@ def chunkflow_estimate(
     for r, s in enumerate(base.stages):
         held = chunks_held(cf.pipeline_schedule, pp, r, cf.max_chunks_in_memory, n, singles)
         seqs = window if r < pp - 1 else 1  # the last stage ends one sequence before it starts the next
-        kv = seqs * kv_store_bytes(cfg, s.layers, longest)
+        kv = kv_store_bytes(cfg, s.layers, longest, seqs)
         tails = seqs * tail_keys_bytes(cfg, s.layers, longest)
         rerun = seqs * (n - min(n, cf.max_chunks_in_memory)) * hidden if r else 0.0  # received inputs, kept
         s.act_gib, s.kv_gib = held * s.mb_act_gib + s.loss_gib + (kv + rerun + tails) / GIB, kv / GIB
