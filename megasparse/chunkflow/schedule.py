@@ -25,8 +25,8 @@ its neighbours at rendezvous transfers, as the executor runs. Simulated slots an
   fill the slots where a stage would wait: each stage takes, slot by slot, a ready backward before a ready forward
   and the long sequence's op before an independent chunk's. A forward that keeps its graph starts only while stage
   r holds fewer than ``held_budget`` graphs: what one sequence's K chunks and 1F1B's own pp − r independent chunks
-  hold, for any ``window`` (decision 1249). Every held graph's backward comes without
-  needing a new graph on this stage, so the budget cannot deadlock; ``simulate`` checks it.
+  hold, for any ``window`` (decision 1249). A held graph's backward needs no new graph on this stage (a sequence
+  in its reruns keeps one unit for them), so the budget cannot deadlock; ``simulate`` checks it.
 
 The executor posts a boundary's transfers one of two ways (``state.run_schedule``): as one batch that completes
 when both ends posted it (a rendezvous: the sender waits for the receiver), or with sends that never wait
@@ -61,7 +61,7 @@ UNIT = (1, 1, 0)
 clocks on a long-tail sample (decision 1226): a stage that finishes early still meets its peer at the boundary."""
 COST = (1, 2, 1)
 """Times of a chunk's forward, its backward, and what a rerun adds to a backward (the forward again): B ≈ 2F, what
-``simulate``'s clocks use by default, and the slots of a table whose sends never wait (decision 1249: 5-7% shorter
+``simulate``'s clocks use by default, and the slots of a table whose sends never wait (decision 1249: 2-7% shorter
 than the one-slot rendezvous table at pp 2-4 in the simulator, on the benchmark's long-tail steps)."""
 
 
