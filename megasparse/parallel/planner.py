@@ -32,6 +32,7 @@ import sys
 from dataclasses import dataclass, field
 
 from megasparse.chunkflow.config import tails_on_flex, tails_packed
+from megasparse.chunkflow.schedule import held_budget
 from megasparse.config import Config, ConfigError, load_config
 from megasparse.configbase import parse_with_overrides
 from megasparse.parallel.config import AUTO, AutoSplit
@@ -271,11 +272,11 @@ def chunks_held(order: str, pp: int, r: int, keep: int, longest_chunks: int, sin
     chunk is forwarded and nothing else is held beside its K. ``gpipe`` runs a long sequence alone, then the
     singles: the larger of the two. The slot tables never pass this and reach it on most stages (a rerun's graph
     lives in its backward's slot, after its sequence's kept chunks went: tests/test_chunkflow_memory.py)."""
+    if order != "gpipe" and r < pp - 1:  # the state-aware table's own budget
+        return held_budget(pp, r, keep, longest_chunks, pp - r if singles is None else singles)
     seq = min(keep, longest_chunks) if longest_chunks > 1 else 0
     own = pp - r if singles is None else min(pp - r, singles)
-    if order == "gpipe" or r == pp - 1:
-        return max(seq, own)
-    return seq + own
+    return max(seq, own)
 
 
 def sequence_chunks(cfg: Config, length: int) -> int:
